@@ -1,0 +1,26 @@
+"""Output allocation for kernel launchers, with an opt-in NaN poison to catch unwritten elements.
+
+``SMPTK_POISON_OUTPUTS=1`` fills every buffer a launcher allocates with NaN before the kernel runs, so an
+element the kernel forgets to write shows up as NaN instead of as stale memory that happens to look right.
+Tests switch it on; it costs one fill per buffer, so it is off by default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+POISON_ENV = "SMPTK_POISON_OUTPUTS"
+
+
+def poison_enabled() -> bool:
+    return os.environ.get(POISON_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape)``; NaN-filled when ``SMPTK_POISON_OUTPUTS=1``."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_enabled():
+        out.fill_(float("nan"))
+    return out

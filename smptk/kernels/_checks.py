@@ -1,0 +1,48 @@
+"""Argument checks shared by the kernel launchers: each error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+
+
+def check_float_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected float32, float16 or bfloat16")
+    return t
+
+
+def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` must have ``ref``'s dtype and device."""
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name}: dtype {t.dtype} does not match {ref_name}'s {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name}: on {t.device} but {ref_name} is on {ref.device}")
+
+
+def check_weight(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
+    """``w`` is an nn.Linear weight ``[N, K]`` for input ``x`` of shape ``[..., K]``."""
+    check_float_tensor(name, w)
+    check_same(name, w, "x", x)
+    if w.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [N, K] weight, got shape {tuple(w.shape)}")
+    if w.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{name}: shape {tuple(w.shape)} needs K={w.shape[1]} input features but x has "
+            f"{x.shape[-1]} (x.shape={tuple(x.shape)})"
+        )
+
+
+def check_input(x: torch.Tensor) -> None:
+    check_float_tensor("x", x)
+    if x.dim() < 1:
+        raise ValueError("x: expected shape [..., K] with at least one dimension, got a scalar")
+
+
+def check_activation(activation: object) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
