@@ -98,10 +98,10 @@ def missing_requirements(python: Path, requirements: list[str]) -> list[str]:
     return json.loads(out.stdout)
 
 
-def pip_install(python: Path, args: list[str]) -> None:
+def pip_install(python: Path, args: list[str], *, quiet_failure: bool = False) -> None:
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
     print("[bootstrap] " + " ".join(cmd[1:]))
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, capture_output=quiet_failure)
 
 
 def install_smptk(python: Path) -> None:
@@ -116,10 +116,10 @@ def install_smptk(python: Path) -> None:
     has_setuptools = subprocess.run([str(python), "-c", "import setuptools"], capture_output=True)
     if has_setuptools.returncode == 0:
         try:
-            pip_install(python, ["--no-deps", "--no-build-isolation", "-e", str(ROOT)])
+            pip_install(python, ["--no-deps", "--no-build-isolation", "-e", str(ROOT)], quiet_failure=True)
             return
         except subprocess.CalledProcessError:
-            print("[bootstrap] editable install failed; linking the checkout with a .pth file instead")
+            print("[bootstrap] editable install unavailable (old setuptools?); linking the checkout with a .pth file")
     site_dir = Path(_site_packages(python)[0])
     (site_dir / "_smptk_checkout.pth").write_text(str(ROOT) + "\n")
 
