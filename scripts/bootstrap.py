@@ -119,7 +119,7 @@ def install_smptk(python: Path) -> None:
             pip_install(python, ["--no-deps", "--no-build-isolation", "-e", str(ROOT)], quiet_failure=True)
             return
         except subprocess.CalledProcessError:
-            print("[bootstrap] editable install unavailable (old setuptools?); linking the checkout with a .pth file")
+            print("[bootstrap] no editable install (old setuptools?); linking the checkout with a .pth file")
     site_dir = Path(_site_packages(python)[0])
     (site_dir / "_smptk_checkout.pth").write_text(str(ROOT) + "\n")
 

@@ -1,4 +1,4 @@
-"""Matmul core shared by the linear kernels: ``C[M, N] = epilogue(A[M, K] @ B[K, N] (+ A2[M, K2] @ B2[K2, N]))``.
+"""Matmul core of the linear kernels: ``C = epilogue(A @ B (+ A2 @ B2))`` with A [M, K] and B [K, N].
 
 One strided GEMM serves every product of the linear ops, so layouts are strides, never copies:
 
@@ -33,7 +33,13 @@ import triton.language as tl
 from smptk.kernels import runtime
 
 ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3, 4
-ACTIVATION_CODES = {None: ACT_NONE, "relu": ACT_RELU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "silu": ACT_SILU}
+ACTIVATION_CODES = {
+    None: ACT_NONE,
+    "relu": ACT_RELU,
+    "gelu": ACT_GELU,
+    "gelu_tanh": ACT_GELU_TANH,
+    "silu": ACT_SILU,
+}
 
 # Candidate tiles for Hopper/Ampere bf16/fp16 GEMMs: the large 128x256 / 256x128 tiles with 3 stages are
 # the shapes that reach peak on H100 in Triton's matmul tutorial; the small ones cover skinny problems.
@@ -106,8 +112,20 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def _accumulate(acc, a_ptr, b_ptr, offs_m, offs_n, K, stride_am, stride_ak, stride_bk, stride_bn,
-                INPUT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+def _accumulate(
+    acc,
+    a_ptr,
+    b_ptr,
+    offs_m,
+    offs_n,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """acc += A[offs_m, :K] @ B[:K, offs_n]; offs_m/offs_n are wrapped in range, only K is masked."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -124,14 +142,39 @@ def _accumulate(acc, a_ptr, b_ptr, offs_m, offs_n, K, stride_am, stride_ak, stri
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, bias_ptr, z_ptr,
-    M, N, K, K2, M_BUCKET,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    stride_a2m, stride_a2k, stride_b2k, stride_b2n,
-    stride_cm, stride_cn, stride_zm, stride_zn,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, HAS_SECOND: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    a2_ptr,
+    b2_ptr,
+    c_ptr,
+    bias_ptr,
+    z_ptr,
+    M,
+    N,
+    K,
+    K2,
+    M_BUCKET,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_a2m,
+    stride_a2k,
+    stride_b2k,
+    stride_b2n,
+    stride_cm,
+    stride_cn,
+    stride_zm,
+    stride_zn,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    HAS_SECOND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of C.
 
@@ -149,25 +192,67 @@ def _matmul_kernel(
     rows_in = rows % M
     cols_in = cols % N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _accumulate(acc, a_ptr, b_ptr, rows_in, cols_in, K, stride_am, stride_ak, stride_bk, stride_bn,
-                      INPUT_PRECISION, BLOCK_K)
+    acc = _accumulate(
+        acc,
+        a_ptr,
+        b_ptr,
+        rows_in,
+        cols_in,
+        K,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        INPUT_PRECISION,
+        BLOCK_K,
+    )
     if HAS_SECOND:
-        acc = _accumulate(acc, a2_ptr, b2_ptr, rows_in, cols_in, K2, stride_a2m, stride_a2k, stride_b2k,
-                          stride_b2n, INPUT_PRECISION, BLOCK_K)
+        acc = _accumulate(
+            acc,
+            a2_ptr,
+            b2_ptr,
+            rows_in,
+            cols_in,
+            K2,
+            stride_a2m,
+            stride_a2k,
+            stride_b2k,
+            stride_b2n,
+            INPUT_PRECISION,
+            BLOCK_K,
+        )
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols_in).to(tl.float32)
         acc += bias[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     if STORE_Z:
-        tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :] * stride_zn,
-                 acc.to(z_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            z_ptr + rows[:, None] * stride_zm + cols[None, :] * stride_zn,
+            acc.to(z_ptr.dtype.element_ty),
+            mask=mask,
+        )
     acc = activation_fwd(acc, ACTIVATION)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
-_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "K2", "stride_am", "stride_ak", "stride_bk", "stride_bn",
-                 "ACTIVATION", "HAS_BIAS", "STORE_Z", "HAS_SECOND"]
+_AUTOTUNE_KEY = [
+    "M_BUCKET",
+    "N",
+    "K",
+    "K2",
+    "stride_am",
+    "stride_ak",
+    "stride_bk",
+    "stride_bn",
+    "ACTIVATION",
+    "HAS_BIAS",
+    "STORE_Z",
+    "HAS_SECOND",
+]
 _matmul_kernel_tuned = triton.autotune(configs=_CUDA_CONFIGS, key=_AUTOTUNE_KEY)(_matmul_kernel)
 
 
@@ -217,13 +302,37 @@ def matmul(
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     launch(
-        _matmul_kernel_tuned, _matmul_kernel, grid,
-        a_MK, b_KN, a2, b2, out_MN, bias, z,
-        M, N, K, a2.shape[1], triton.next_power_of_2(M),
-        a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1),
-        a2.stride(0), a2.stride(1), b2.stride(0), b2.stride(1),
-        out_MN.stride(0), out_MN.stride(1), z.stride(0), z.stride(1),
-        ACTIVATION=activation, HAS_BIAS=bias_N is not None, STORE_Z=z_out_MN is not None,
-        HAS_SECOND=has_second, INPUT_PRECISION=input_precision(a_MK.dtype),
+        _matmul_kernel_tuned,
+        _matmul_kernel,
+        grid,
+        a_MK,
+        b_KN,
+        a2,
+        b2,
+        out_MN,
+        bias,
+        z,
+        M,
+        N,
+        K,
+        a2.shape[1],
+        triton.next_power_of_2(M),
+        a_MK.stride(0),
+        a_MK.stride(1),
+        b_KN.stride(0),
+        b_KN.stride(1),
+        a2.stride(0),
+        a2.stride(1),
+        b2.stride(0),
+        b2.stride(1),
+        out_MN.stride(0),
+        out_MN.stride(1),
+        z.stride(0),
+        z.stride(1),
+        ACTIVATION=activation,
+        HAS_BIAS=bias_N is not None,
+        STORE_Z=z_out_MN is not None,
+        HAS_SECOND=has_second,
+        INPUT_PRECISION=input_precision(a_MK.dtype),
     )
     return out_MN

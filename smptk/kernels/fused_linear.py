@@ -49,11 +49,24 @@ _COLSUM_BLOCK_N = 256  # one program reduces 256 columns over all partial rows; 
 
 @triton.jit
 def _act_bwd_kernel(
-    dy_ptr, z_ptr, dz_ptr, partial_ptr,
-    M, N,
-    stride_dym, stride_dyn, stride_zm, stride_zn, stride_dzm, stride_dzn,
-    ACTIVATION: tl.constexpr, STORE_DZ: tl.constexpr, COLSUM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_PROG: tl.constexpr,
+    dy_ptr,
+    z_ptr,
+    dz_ptr,
+    partial_ptr,
+    M,
+    N,
+    stride_dym,
+    stride_dyn,
+    stride_zm,
+    stride_zn,
+    stride_dzm,
+    stride_dzn,
+    ACTIVATION: tl.constexpr,
+    STORE_DZ: tl.constexpr,
+    COLSUM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS_PER_PROG: tl.constexpr,
 ):
     """dz = dy * act'(z) over rows [pid_r * ROWS_PER_PROG, +ROWS_PER_PROG) x columns of block pid_n.
 
@@ -75,8 +88,11 @@ def _act_bwd_kernel(
             z = tl.load(z_ptr + rows[:, None] * stride_zm + cols[None, :] * stride_zn, mask=mask, other=0.0)
             dz = dz * activation_grad(z.to(tl.float32), ACTIVATION)
         if STORE_DZ:
-            tl.store(dz_ptr + rows[:, None] * stride_dzm + cols[None, :] * stride_dzn,
-                     dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                dz_ptr + rows[:, None] * stride_dzm + cols[None, :] * stride_dzn,
+                dz.to(dz_ptr.dtype.element_ty),
+                mask=mask,
+            )
         if COLSUM:
             colsum += tl.sum(dz, axis=0)
     if COLSUM:
@@ -89,8 +105,10 @@ def _colsum_kernel(partial_ptr, out_ptr, R, N, BLOCK_N: tl.constexpr):
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r in range(0, R):
-        acc += tl.load(partial_ptr + r * N + cols, mask=ok, other=0.0)
+    ptrs = partial_ptr + cols
+    for _ in range(0, R):
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += N  # pointer arithmetic is 64-bit: no int32 r * N product
     tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -120,9 +138,22 @@ def activation_backward(
     partial = new_buffer((rows, N), torch.float32, dy_MN.device) if want_colsum else dy_MN
     z = z_MN if z_MN is not None else dy_MN
     _act_bwd_kernel[(rows, triton.cdiv(N, blocks["BLOCK_N"]))](
-        dy_MN, z, dz, partial, M, N,
-        dy_MN.stride(0), dy_MN.stride(1), z.stride(0), z.stride(1), dz.stride(0), dz.stride(1),
-        ACTIVATION=activation, STORE_DZ=store_dz, COLSUM=want_colsum, **blocks,
+        dy_MN,
+        z,
+        dz,
+        partial,
+        M,
+        N,
+        dy_MN.stride(0),
+        dy_MN.stride(1),
+        z.stride(0),
+        z.stride(1),
+        dz.stride(0),
+        dz.stride(1),
+        ACTIVATION=activation,
+        STORE_DZ=store_dz,
+        COLSUM=want_colsum,
+        **blocks,
     )
     if want_colsum:
         _colsum_kernel[(triton.cdiv(N, _COLSUM_BLOCK_N),)](partial, colsum, rows, N, BLOCK_N=_COLSUM_BLOCK_N)
@@ -233,7 +264,9 @@ def fused_linear(
         check_float_tensor("bias", bias)
         check_same("bias", bias, "x", x)
         if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias: expected shape ({weight.shape[0]},) to match weight's N, got {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias: expected shape ({weight.shape[0]},) to match weight's N, got {tuple(bias.shape)}"
+            )
     if runtime.select_path(x, weight) == "torch":
         return _fused_linear_torch(x, weight, bias, activation)
     lead = x.shape[:-1]

@@ -66,8 +66,10 @@ def select_path(*tensors: torch.Tensor) -> str:
         return "torch"
     runnable = _triton_can_run_on(device)
     if requested == "triton" and not runnable:
-        why = "triton is not installed" if not triton_available() else (
-            f"tensors are on {device}; Triton runs on CUDA, or on CPU with TRITON_INTERPRET=1"
+        why = (
+            "triton is not installed"
+            if not triton_available()
+            else (f"tensors are on {device}; Triton runs on CUDA, or on CPU with TRITON_INTERPRET=1")
         )
         raise RuntimeError(f"{KERNELS_ENV}=triton but {why}")
     return "triton" if runnable else "torch"

@@ -52,12 +52,31 @@ _BWD_BLOCK_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 32}
 
 @triton.jit
 def _swiglu_fwd_kernel(
-    x_ptr, wg_ptr, wu_ptr, y_ptr, h_ptr,
-    M, N, K, M_BUCKET,
-    stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
-    stride_ym, stride_yn, stride_hm, stride_hn,
-    STORE_H: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    wg_ptr,
+    wu_ptr,
+    y_ptr,
+    h_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    stride_xm,
+    stride_xk,
+    stride_wgn,
+    stride_wgk,
+    stride_wun,
+    stride_wuk,
+    stride_ym,
+    stride_yn,
+    stride_hm,
+    stride_hn,
+    STORE_H: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y (and of g, u).
 
@@ -93,8 +112,9 @@ def _swiglu_fwd_kernel(
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=mask)
         tl.store(h_ptrs + N * stride_hn, acc_u.to(h_ptr.dtype.element_ty), mask=mask)
     y = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty), mask=mask
+    )
 
 
 _swiglu_fwd_kernel_tuned = triton.autotune(
@@ -104,9 +124,19 @@ _swiglu_fwd_kernel_tuned = triton.autotune(
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    dy_ptr, h_ptr, dh_ptr, M, N,
-    stride_dym, stride_dyn, stride_hm, stride_hn, stride_dhm, stride_dhn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr,
+    h_ptr,
+    dh_ptr,
+    M,
+    N,
+    stride_dym,
+    stride_dyn,
+    stride_hm,
+    stride_hn,
+    stride_dhm,
+    stride_dhn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dh = [dy * u * silu'(g) | dy * silu(g)] for one tile; dy [M, N]; h = [g | u] and dh are [M, 2N]."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,11 +171,30 @@ def swiglu_fwd(
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     _matmul.launch(
-        _swiglu_fwd_kernel_tuned, _swiglu_fwd_kernel, grid,
-        x_MK, wg_NK, wu_NK, y, hh, M, N, K, triton.next_power_of_2(M),
-        x_MK.stride(0), x_MK.stride(1), wg_NK.stride(0), wg_NK.stride(1), wu_NK.stride(0), wu_NK.stride(1),
-        y.stride(0), y.stride(1), hh.stride(0), hh.stride(1),
-        STORE_H=save_h, INPUT_PRECISION=_matmul.input_precision(x_MK.dtype),
+        _swiglu_fwd_kernel_tuned,
+        _swiglu_fwd_kernel,
+        grid,
+        x_MK,
+        wg_NK,
+        wu_NK,
+        y,
+        hh,
+        M,
+        N,
+        K,
+        triton.next_power_of_2(M),
+        x_MK.stride(0),
+        x_MK.stride(1),
+        wg_NK.stride(0),
+        wg_NK.stride(1),
+        wu_NK.stride(0),
+        wu_NK.stride(1),
+        y.stride(0),
+        y.stride(1),
+        hh.stride(0),
+        hh.stride(1),
+        STORE_H=save_h,
+        INPUT_PRECISION=_matmul.input_precision(x_MK.dtype),
     )
     return y, h
 
@@ -166,8 +215,17 @@ def swiglu_bwd(
         blocks = _BWD_BLOCK_INTERPRETER if runtime.interpreter_enabled() else _BWD_BLOCK
         grid = (triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(N, blocks["BLOCK_N"]))
         _swiglu_bwd_kernel[grid](
-            dy_MN, h_M2N, dh, M, N,
-            dy_MN.stride(0), dy_MN.stride(1), h_M2N.stride(0), h_M2N.stride(1), dh.stride(0), dh.stride(1),
+            dy_MN,
+            h_M2N,
+            dh,
+            M,
+            N,
+            dy_MN.stride(0),
+            dy_MN.stride(1),
+            h_M2N.stride(0),
+            h_M2N.stride(1),
+            dh.stride(0),
+            dh.stride(1),
             **blocks,
         )
     dx = dwg = dwu = None
