@@ -46,3 +46,16 @@ def check_input(x: torch.Tensor) -> None:
 def check_activation(activation: object) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
+
+
+def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Cast floating inputs to the autocast dtype when autocast is on for their device, as F.linear would.
+
+    Inside ``torch.autocast(device_type, dtype)`` a linear op runs in ``dtype`` whatever its inputs' dtype
+    (fp32 master weights with bf16 compute is the usual case); outside autocast inputs pass unchanged.
+    """
+    device_type = tensors[0].device.type  # the caller has checked that the first one is a tensor
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)

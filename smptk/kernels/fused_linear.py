@@ -37,7 +37,14 @@ import triton.language as tl
 
 from smptk.kernels import _matmul, runtime
 from smptk.kernels._buffers import new_buffer
-from smptk.kernels._checks import check_activation, check_float_tensor, check_input, check_same, check_weight
+from smptk.kernels._checks import (
+    autocast_inputs,
+    check_activation,
+    check_float_tensor,
+    check_input,
+    check_same,
+    check_weight,
+)
 from smptk.kernels._matmul import ACTIVATION_CODES, activation_grad
 
 # dz kernel tiles. ROWS_PER_PROG rows per program bound the partial-sum buffer to ceil(M/512) x N fp32
@@ -248,6 +255,7 @@ def fused_linear(
     Returns:
         ``[..., N]`` in x's dtype. Differentiable in x, weight and bias.
 
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``F.linear`` does.
     Runs the Triton kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``), the PyTorch path otherwise;
     ``SMPTK_KERNELS=triton|torch`` forces one (see :mod:`smptk.kernels.runtime`).
 
@@ -258,6 +266,7 @@ def fused_linear(
         torch.Size([8, 32])
     """
     check_input(x)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     check_weight("weight", weight, x)
     check_activation(activation)
     if bias is not None:

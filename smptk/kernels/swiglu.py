@@ -33,7 +33,7 @@ import triton.language as tl
 
 from smptk.kernels import _matmul, runtime
 from smptk.kernels._buffers import new_buffer
-from smptk.kernels._checks import check_input, check_weight
+from smptk.kernels._checks import autocast_inputs, check_input, check_weight
 from smptk.kernels._matmul import grouped_tile
 
 # Two accumulators per program: the largest tiles hold 2 x 128 x 128 fp32, as much register state as one
@@ -272,6 +272,7 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
     Returns:
         ``[..., N]`` in x's dtype; differentiable in all three inputs.
 
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``F.linear`` does.
     Runs the Triton kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``), the PyTorch path otherwise;
     ``SMPTK_KERNELS=triton|torch`` forces one.
 
@@ -282,6 +283,7 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
         torch.Size([8, 172])
     """
     check_input(x)
+    x, weight_gate, weight_up = autocast_inputs(x, weight_gate, weight_up)
     check_weight("weight_gate", weight_gate, x)
     check_weight("weight_up", weight_up, x)
     if weight_up.shape != weight_gate.shape:
