@@ -8,6 +8,10 @@ One switch, the environment variable ``SMPTK_KERNELS``, read at every call:
 - unset or ``auto`` (default): Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``;
   the PyTorch path otherwise. So every public function works on any machine.
 
+One exception: Triton's interpreter computes ``tl.dot`` on bfloat16 inputs wrongly (seen with Triton 3.9:
+results off by orders of magnitude), so bf16 CPU tensors take the PyTorch path under ``auto`` and are an
+error under ``triton``; bf16 runs on Triton on CUDA.
+
 ``TRITON_INTERPRET`` itself is read by Triton when a kernel module is imported, so set it before
 ``import smptk.kernels``.
 
@@ -49,10 +53,17 @@ def requested_path() -> str:
     return value
 
 
-def _triton_can_run_on(device: torch.device) -> bool:
+def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` / ``dtype`` here, or None when they can."""
     if not triton_available():
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type != "cpu" or not interpreter_enabled():
+        return f"tensors are on {device}; Triton runs on CUDA, or on CPU with TRITON_INTERPRET=1"
+    if dtype == torch.bfloat16:
+        return "Triton's interpreter computes bf16 tl.dot wrongly; use float16/float32 on CPU, or CUDA"
+    return None
 
 
 def select_path(*tensors: torch.Tensor) -> str:
@@ -60,19 +71,13 @@ def select_path(*tensors: torch.Tensor) -> str:
 
     Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on.
     """
-    device = tensors[0].device
     requested = requested_path()
     if requested == "torch":
         return "torch"
-    runnable = _triton_can_run_on(device)
-    if requested == "triton" and not runnable:
-        why = (
-            "triton is not installed"
-            if not triton_available()
-            else (f"tensors are on {device}; Triton runs on CUDA, or on CPU with TRITON_INTERPRET=1")
-        )
-        raise RuntimeError(f"{KERNELS_ENV}=triton but {why}")
-    return "triton" if runnable else "torch"
+    blocker = _triton_blocker(tensors[0].device, tensors[0].dtype)
+    if requested == "triton" and blocker is not None:
+        raise RuntimeError(f"{KERNELS_ENV}=triton but {blocker}")
+    return "triton" if blocker is None else "torch"
 
 
 def describe() -> dict[str, str]:
@@ -82,8 +87,13 @@ def describe() -> dict[str, str]:
     for dev in ("cpu", "cuda"):
         if requested == "torch":
             out[dev] = "torch"
-        elif _triton_can_run_on(torch.device(dev)):
-            out[dev] = "triton (interpreter)" if interpreter_enabled() else "triton"
+        elif _triton_blocker(torch.device(dev)) is None:
+            if not interpreter_enabled():
+                out[dev] = "triton"
+            else:
+                out[dev] = (
+                    "triton (interpreter)" if dev == "cuda" else "triton (interpreter; bfloat16: torch)"
+                )
         else:
             out[dev] = "torch" if requested == "auto" else "error: triton cannot run here"
     return out

@@ -1,0 +1,489 @@
+"""Self-contained HTML report from benchmark rows (JSON lines): tables, inline SVG charts, environment.
+
+Everything shown comes from the rows: medians, spreads and throughputs are the rows' own numbers, and
+derived columns are ratios of rows of the same run (speedup = torch_eager median / median; "% of matmul"
+= TFLOP/s / torch_matmul TFLOP/s). A missing implementation shows as a dash, never as an estimate.
+The page has no script, no external CSS or font, and the charts are SVG written here.
+
+Usage::
+
+    python -m bench.report bench/results/nvidia-h100-80gb-hbm3/2026-11-22-e60bd426.jsonl [-o out.html]
+
+Example::
+
+    >>> from bench.report import render_html
+    >>> html_text = render_html(rows)  # rows: list of dicts as written by bench.rows.RowWriter
+    >>> "<svg" in html_text
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.rows import read_rows
+
+IMPL_ORDER = ("smptk", "torch_eager", "torch_compile", "torch_matmul")
+IMPL_COLORS = {
+    "smptk": "#c0392b",
+    "torch_eager": "#2e6da4",
+    "torch_compile": "#3a9a48",
+    "torch_matmul": "#7a7a7a",
+}
+_EXTRA_COLORS = ("#8e5ea2", "#e08a1e", "#17a2b8", "#6b4f2a")
+BASELINE = "torch_eager"
+CEILING = "torch_matmul"
+
+_CSS = """
+body { font-family: system-ui, -apple-system, Segoe UI, Roboto, sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 1.5em; margin-bottom: 4px; } h2 { font-size: 1.2em; margin-top: 32px; }
+.meta { color: #555; margin-bottom: 16px; }
+.note { border: 2px solid #c0392b; background: #fdecea; color: #8b1e12; padding: 10px 14px;
+        font-weight: 600; margin: 12px 0; }
+table { border-collapse: collapse; margin: 8px 0 16px 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f2f2f2; } td.l, th.l { text-align: left; }
+tr.best td { font-weight: 600; }
+.env td { text-align: left; } .muted { color: #777; }
+svg { font-family: inherit; }
+footer { margin-top: 32px; color: #555; font-size: 0.85em; max-width: 900px; }
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    """``digits`` significant figures, plain notation; a dash for a missing value."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    if value == 0:
+        return "0"
+    if abs(value) < 1e-3:
+        return f"{value:.{digits}g}"
+    magnitude = math.floor(math.log10(abs(value)))
+    decimals = max(0, digits - 1 - magnitude)
+    return f"{value:,.{decimals}f}"
+
+
+def _impl_key(impl: str) -> tuple[int, str]:
+    return (IMPL_ORDER.index(impl), impl) if impl in IMPL_ORDER else (len(IMPL_ORDER), impl)
+
+
+def _impl_color(impl: str, others: list[str]) -> str:
+    if impl in IMPL_COLORS:
+        return IMPL_COLORS[impl]
+    return _EXTRA_COLORS[others.index(impl) % len(_EXTRA_COLORS)] if impl in others else "#444"
+
+
+def op_label(row: dict[str, Any]) -> str:
+    """``fused_linear(gelu, bias)``, ``fused_linear(bias)``, ``swiglu``: the op as a reader names it."""
+    parts = [p for p in (row.get("activation"), "bias" if row.get("bias") else None) if p]
+    return f"{row.get('op')}({', '.join(parts)})" if parts else str(row.get("op"))
+
+
+def _ordered_shape(shape: dict[str, int] | None) -> list[tuple[str, int]]:
+    """Shape items with M, K, N first in that order (rows store keys sorted), then any others."""
+    shape = shape or {}
+    known = [(k, shape[k]) for k in ("M", "K", "N") if k in shape]
+    return known + sorted((k, v) for k, v in shape.items() if k not in ("M", "K", "N"))
+
+
+def _shape_label(shape: dict[str, int] | None) -> str:
+    items = _ordered_shape(shape)
+    return " × ".join(f"{k}={v}" for k, v in items) if items else "—"
+
+
+def _section_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (str(row.get("suite")), op_label(row), str(row.get("pass")), str(row.get("dtype")))
+
+
+def _shape_key(row: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    return tuple(_ordered_shape(row.get("shape")))
+
+
+def _median_s(row: dict[str, Any]) -> float | None:
+    median = (row.get("time_s") or {}).get("median")
+    return float(median) if isinstance(median, (int, float)) and median > 0 else None
+
+
+def _tflops_at(row: dict[str, Any], seconds: float | None) -> float | None:
+    flops = row.get("flops")
+    if not seconds or not isinstance(flops, (int, float)):
+        return None
+    return flops / seconds / 1e12
+
+
+def _peer(rows: list[dict[str, Any]], row: dict[str, Any], impl: str) -> dict[str, Any] | None:
+    """The row of ``impl`` for the same run, op, pass, dtype and shape as ``row`` (latest if repeated)."""
+    matches = [
+        r
+        for r in rows
+        if r.get("impl") == impl
+        and r.get("run_id") == row.get("run_id")
+        and _section_key(r) == _section_key(row)
+        and _shape_key(r) == _shape_key(row)
+    ]
+    return matches[-1] if matches else None
+
+
+def pct_of_ceiling(rows: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
+    """``row``'s TFLOP/s as a percentage of torch_matmul's in the same run and case; None when absent."""
+    ceiling = _peer(rows, row, CEILING)
+    mine = _tflops_at(row, _median_s(row))
+    theirs = _tflops_at(ceiling, _median_s(ceiling)) if ceiling else None
+    return 100 * mine / theirs if mine and theirs else None
+
+
+def speedup_vs(rows: list[dict[str, Any]], row: dict[str, Any], impl: str = BASELINE) -> float | None:
+    """``impl``'s median time / ``row``'s median time within the same run and case; None when absent."""
+    peer = _peer(rows, row, impl)
+    mine, theirs = _median_s(row), (_median_s(peer) if peer else None)
+    return theirs / mine if mine and theirs else None
+
+
+def _nice_ceiling(value: float) -> tuple[float, float]:
+    """(axis maximum, tick step): the smallest round step (1, 2, 2.5, 5 x 10^e) giving at most 6 ticks."""
+    if value <= 0:
+        return 1.0, 0.25
+    exponent = math.floor(math.log10(value)) - 1
+    for base in (1, 2, 2.5, 5, 10, 20):  # value / (20 * 10^exponent) < 5, so the loop always returns
+        step = base * 10.0**exponent
+        if value / step <= 6:
+            return math.ceil(value / step) * step, step
+    raise AssertionError("unreachable")
+
+
+def svg_bar_chart(
+    groups: list[str],
+    series: list[str],
+    values: dict[tuple[str, str], tuple[float, float, float]],
+    *,
+    unit: str,
+) -> str:
+    """Grouped bar chart as an inline ``<svg>``: one group per label, one bar per series, with whiskers.
+
+    ``values[(group, series)] = (value, low, high)``; missing pairs draw no bar. Each bar has a
+    ``<title>`` with its numbers, so hovering shows them without any script.
+
+    Example::
+
+        >>> svg = svg_bar_chart(["M=7"], ["smptk"], {("M=7", "smptk"): (1.0, 0.9, 1.1)}, unit="TFLOP/s")
+        >>> svg.startswith("<svg")
+        True
+    """
+    others = sorted(s for s in series if s not in IMPL_COLORS)
+    vmax = max([hi for (_, _, hi) in values.values()] + [v for (v, _, _) in values.values()] + [0.0])
+    axis_max, step = _nice_ceiling(vmax)
+    ticks = round(axis_max / step)
+    tick_labels = [_fmt(i * step, 3) for i in range(ticks + 1)]
+    bar_w, gap, top, plot_h, bottom = 18, 26, 34, 200, 74
+    left = 34 + 7 * max(len(t) for t in tick_labels)  # room for the widest tick label and the axis title
+    group_w = max(1, len(series)) * bar_w + gap
+    legend_w = sum(24 + 7 * len(s) for s in series)
+    width = max(320, left + len(groups) * group_w + 20, left + legend_w + 10)
+    height = top + plot_h + bottom
+
+    def y(v: float) -> float:
+        return top + plot_h - (v / axis_max) * plot_h
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(unit)} by shape and implementation">'
+    ]
+    # Legend along the top.
+    x_leg = left
+    for s in series:
+        out.append(f'<rect x="{x_leg}" y="8" width="12" height="12" fill="{_impl_color(s, others)}"/>')
+        out.append(f'<text x="{x_leg + 16}" y="18" font-size="12">{_esc(s)}</text>')
+        x_leg += 24 + 7 * len(s)
+    # Axis, grid and ticks.
+    for i, label in enumerate(tick_labels):
+        v = i * step
+        out.append(
+            f'<line x1="{left}" y1="{y(v):.1f}" x2="{width - 10}" y2="{y(v):.1f}" stroke="#e3e3e3"/>'
+            f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{label}</text>'
+        )
+    out.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#555"/>')
+    out.append(
+        f'<text x="14" y="{top + plot_h / 2:.0f}" font-size="12" text-anchor="middle" '
+        f'transform="rotate(-90 14 {top + plot_h / 2:.0f})">{_esc(unit)}</text>'
+    )
+    for gi, group in enumerate(groups):
+        x0 = left + gap / 2 + gi * group_w
+        for si, s in enumerate(series):
+            if (group, s) not in values:
+                continue
+            v, lo, hi = values[(group, s)]
+            x = x0 + si * bar_w
+            out.append(
+                f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar_w - 2}" height="{max(0.0, y(0) - y(v)):.1f}" '
+                f'fill="{_impl_color(s, others)}"><title>{_esc(s)} {_esc(group)}: {_fmt(v)} {_esc(unit)} '
+                f"(IQR {_fmt(lo)}–{_fmt(hi)})</title></rect>"
+            )
+            cx = x + (bar_w - 2) / 2
+            out.append(f'<line x1="{cx:.1f}" y1="{y(hi):.1f}" x2="{cx:.1f}" y2="{y(lo):.1f}" stroke="#111"/>')
+        label_x = x0 + len(series) * bar_w / 2
+        for li, part in enumerate(group.split(" × ")):
+            out.append(
+                f'<text x="{label_x:.1f}" y="{top + plot_h + 16 + 13 * li}" font-size="11" '
+                f'text-anchor="middle">{_esc(part)}</text>'
+            )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], section: list[dict]) -> str:
+    suite, label, pass_, dtype = key
+    impls = sorted({str(r.get("impl")) for r in section}, key=_impl_key)
+    shapes: list[tuple] = []
+    for r in section:
+        if _shape_key(r) not in shapes:
+            shapes.append(_shape_key(r))
+    notes = sorted({r["note"] for r in section if r.get("note")})
+
+    values: dict[tuple[str, str], tuple[float, float, float]] = {}
+    body = []
+    for shape in shapes:
+        shape_rows = sorted(
+            (r for r in section if _shape_key(r) == shape), key=lambda r: _impl_key(r["impl"])
+        )
+        best = min((_median_s(r) or math.inf) for r in shape_rows)
+        for r in shape_rows:
+            t = r.get("time_s") or {}
+            med = _median_s(r)
+            tflops = _tflops_at(r, med)
+            group = _shape_label(r.get("shape"))
+            if tflops is not None:
+                values[(group, r["impl"])] = (
+                    tflops,
+                    _tflops_at(r, t.get("q3")) or 0.0,
+                    _tflops_at(r, t.get("q1")) or 0.0,
+                )
+            pct = pct_of_ceiling(rows, r)
+            speed = speedup_vs(rows, r)
+            check = r.get("check") or {}
+            iqr_ms = t.get("iqr") * 1e3 if isinstance(t.get("iqr"), (int, float)) else None
+            rel = t.get("iqr_rel")
+            body.append(
+                f'<tr class="{"best" if med is not None and med == best else ""}">'
+                f'<td class="l">{_esc(group)}</td><td class="l">{_esc(r.get("impl"))}</td>'
+                f'<td class="l muted">{_esc(r.get("kernel_path"))}</td>'
+                f"<td>{_fmt(med * 1e3 if med else None)}</td>"
+                f"<td>{_fmt(iqr_ms, 3)}"
+                f"{f' ({_fmt(100 * rel, 2)}%)' if isinstance(rel, (int, float)) else ''}</td>"
+                f"<td>{_fmt(t.get('min') * 1e3 if isinstance(t.get('min'), (int, float)) else None)}</td>"
+                f"<td>{_fmt(tflops)}</td><td>{_fmt(r.get('gbps'))}</td>"
+                f"<td>{_fmt(speed, 3) + '×' if speed else '—'}</td>"
+                f"<td>{_fmt(pct, 3) + '%' if pct else '—'}</td>"
+                f"<td>{_esc(r.get('rounds'))}</td>"
+                f"<td>{_fmt(check.get('max_abs_err'), 2) if check else '—'}</td></tr>"
+            )
+    head = (
+        "<tr><th class='l'>shape</th><th class='l'>impl</th><th class='l'>path</th><th>median ms</th>"
+        "<th>IQR ms (% of median)</th><th>min ms</th><th>TFLOP/s</th><th>GB/s (compulsory)</th>"
+        f"<th>speedup vs {BASELINE}</th><th>% of {CEILING} TFLOP/s</th><th>rounds</th>"
+        "<th>max abs err vs fp32</th></tr>"
+    )
+    note_html = "".join(f'<p class="note">{_esc(n)}</p>' for n in notes)
+    chart = svg_bar_chart([_shape_label(dict(s)) for s in shapes], impls, values, unit="TFLOP/s")
+    return (
+        f'<section><h2>{_esc(label)} — {_esc(pass_)} — {_esc(dtype)} <span class="muted">({_esc(suite)})'
+        f"</span></h2>{note_html}{chart}<table>{head}{''.join(body)}</table></section>"
+    )
+
+
+def _summary_html(rows: list[dict[str, Any]], sections: dict[tuple, list[dict]]) -> str:
+    """Per section: geometric-mean speedup of smptk vs torch_eager and smptk's % of torch_matmul."""
+    lines = []
+    for key, section in sections.items():
+        ours = [r for r in section if r.get("impl") == "smptk"]
+        speedups = [s for r in ours if (s := speedup_vs(rows, r)) is not None]
+        pcts = [p for r in ours if (p := pct_of_ceiling(rows, r)) is not None]
+        geo = math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None
+        worst = min(pcts) if pcts else None
+        lines.append(
+            f"<tr><td class='l'>{_esc(key[1])}</td><td class='l'>{_esc(key[2])}</td><td class='l'>"
+            f"{_esc(key[3])}</td><td>{len(ours)}</td><td>{_fmt(geo, 3) + '×' if geo else '—'}</td>"
+            f"<td>{_fmt(worst, 3) + '%' if worst else '—'}</td></tr>"
+        )
+    return (
+        "<h2>Summary (smptk)</h2><table><tr><th class='l'>op</th><th class='l'>pass</th><th class='l'>dtype"
+        f"</th><th>shapes</th><th>geo-mean speedup vs {BASELINE}</th><th>lowest % of {CEILING} TFLOP/s"
+        "</th></tr>" + "".join(lines) + "</table>"
+    )
+
+
+def _fmt_bytes(n: Any) -> str:
+    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) and n else "—"
+
+
+def _gpu_text(g: dict[str, Any]) -> str:
+    l2 = g.get("l2_cache_bytes")
+    return (
+        f"{g.get('name')}, {g.get('sm_count') or '?'} SMs, {_fmt_bytes(g.get('memory_total_bytes'))}, "
+        f"L2 {f'{l2 / 2**20:.0f} MiB' if l2 else '?'}, "
+        f"SM clock {g.get('sm_clock_mhz')}/{g.get('sm_clock_max_mhz')} MHz (now/max), "
+        f"memory clock max {g.get('mem_clock_max_mhz')} MHz, driver {g.get('driver_version')}"
+    )
+
+
+def _kernel_path_text(path: Any) -> str:
+    if not isinstance(path, dict):
+        return str(path)
+    return (
+        f"SMPTK_KERNELS={path.get('requested')}, TRITON_INTERPRET={path.get('interpreter')}: CPU tensors run "
+        f"{path.get('cpu')}, CUDA tensors run {path.get('cuda')}"
+    )
+
+
+def _env_html(rows: list[dict[str, Any]]) -> str:
+    """One environment table per run id in the file (normally one)."""
+    parts = []
+    seen: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        seen.setdefault(str(r.get("run_id")), r)
+    for run, r in seen.items():
+        env = r.get("env") or {}
+        items: list[tuple[str, Any]] = [
+            ("run id", run),
+            ("mode", f"{r.get('mode')} on {r.get('device')}"),
+            ("timer", r.get("timer")),
+            (
+                "L2 flush per round",
+                _fmt_bytes(r.get("l2_flush_bytes")) if r.get("l2_flush_bytes") else "none",
+            ),
+            (
+                "git",
+                f"{env.get('git_sha') or 'not a git checkout'}"
+                + {True: " (uncommitted changes)", False: " (clean)"}.get(env.get("git_dirty"), ""),
+            ),
+            ("smptk / torch / triton", f"{env.get('smptk')} / {env.get('torch')} / {env.get('triton')}"),
+            ("CUDA / NCCL", f"{env.get('cuda') or '—'} / {env.get('nccl') or '—'}"),
+            ("python / platform", f"{env.get('python')} / {env.get('platform')}"),
+            (
+                "CPUs / world size / rank",
+                f"{env.get('cpu_count')} / {env.get('world_size')} / {env.get('rank')}",
+            ),
+            ("kernel path", _kernel_path_text(env.get("kernel_path"))),
+            (
+                "env vars",
+                ", ".join(f"{k}={v}" for k, v in (r.get("env_vars") or {}).items() if v is not None),
+            ),
+        ]
+        gpus = env.get("gpus") or []
+        if not gpus:
+            items.append(("GPU", f"none ({env.get('gpu_note')})"))
+        items.extend((f"GPU {i}", _gpu_text(g)) for i, g in enumerate(gpus))
+        rows_html = "".join(f"<tr><th class='l'>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in items)
+        parts.append(f'<table class="env">{rows_html}</table>')
+    return "<h2>Environment</h2>" + "".join(parts)
+
+
+def _not_measured_html(rows: list[dict[str, Any]]) -> str:
+    others = [r for r in rows if r.get("kind") in ("skipped", "failed")]
+    if not others:
+        return ""
+    body = "".join(
+        f"<tr><td class='l'>{_esc(r.get('kind'))}</td><td class='l'>{_esc(r.get('test_id'))}</td>"
+        f"<td class='l'>{_esc(r.get('reason'))}</td></tr>"
+        for r in others
+    )
+    return (
+        f"<h2>Not measured ({len(others)})</h2><table><tr><th class='l'>kind</th><th class='l'>benchmark</th>"
+        f"<th class='l'>reason</th></tr>{body}</table>"
+    )
+
+
+_FOOTER = (
+    "Times are medians over rounds of GPU time between two CUDA events (host clock in CPU quick mode), "
+    "with the L2 cache flushed before every round by writing a buffer larger than it. Spread is the "
+    "interquartile range (whiskers on the charts: TFLOP/s at the first and third quartile times). "
+    "TFLOP/s counts only GEMM FLOPs (2·M·N·K per forward GEMM, backward twice the forward) so every "
+    "implementation is credited the same work; GB/s counts compulsory traffic (inputs read once, outputs "
+    "written once). Speedup and % of torch_matmul compare rows of the same run and shape."
+)
+
+
+def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmarks") -> str:
+    """The full HTML page for ``rows`` (measurement, skipped and failed rows; others are ignored).
+
+    Example::
+
+        >>> page = render_html(list(read_rows(Path("run.jsonl"))), title="run")
+        >>> page.startswith("<!DOCTYPE html>")
+        True
+    """
+    rows = list(rows)
+    measured = [r for r in rows if r.get("kind") == "measurement"]
+    sections: dict[tuple, list[dict]] = {}
+    for r in measured:
+        sections.setdefault(_section_key(r), []).append(r)
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    runs = sorted({str(r.get("run_id")) for r in rows})
+    counts = {k: sum(1 for r in rows if r.get("kind") == k) for k in ("measurement", "skipped", "failed")}
+    meta = (
+        f"{counts['measurement']} measurements, {counts['skipped']} skipped, {counts['failed']} failed; "
+        f"run {', '.join(runs) or '—'}"
+    )
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_esc(title)}</h1><p class='meta'>{_esc(meta)}</p>",
+        *(f"<p class='note'>{_esc(n)}</p>" for n in notes),
+    ]
+    if not measured:
+        parts.append("<p>No measurements in this file.</p>")
+    else:
+        parts.append(_summary_html(measured, sections))
+        parts.extend(_section_html(measured, key, section) for key, section in sections.items())
+    parts.append(_not_measured_html(rows))
+    if rows:
+        parts.append(_env_html(rows))
+    parts.append(f"<footer>{_esc(_FOOTER)}</footer></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(jsonl_path: Path, html_path: Path | None = None) -> Path:
+    """Render ``jsonl_path`` to ``html_path`` (default: same stem, ``.html``) and return that path.
+
+    Example::
+
+        >>> write_report(Path("bench/results/cpu-interpreter/2026-11-22-e60bd426.jsonl"))
+        PosixPath('bench/results/cpu-interpreter/2026-11-22-e60bd426.html')
+    """
+    jsonl_path = Path(jsonl_path)
+    html_path = Path(html_path) if html_path else jsonl_path.with_suffix(".html")
+    rows = list(read_rows(jsonl_path))
+    html_path.write_text(render_html(rows, title=f"smptk benchmarks: {jsonl_path.stem}"), encoding="utf-8")
+    return html_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.report FILE.jsonl [-o OUT.html]``: regenerate the HTML report of a results file."""
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
+    parser.add_argument("jsonl", type=Path, help="results file written by python -m bench")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="HTML path (default: beside FILE)")
+    args = parser.parse_args(argv)
+    if not args.jsonl.is_file():
+        print(f"bench.report: {args.jsonl}: no such file", file=sys.stderr)
+        return 2
+    try:
+        out = write_report(args.jsonl, args.output)
+    except ValueError as exc:
+        print(f"bench.report: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""fp32 references and derived tolerances, shared by the tests and the benchmarks.
+
+- :mod:`smptk.testing.references`: plain-PyTorch fp32 implementations of the kernel ops, written from the
+  math and independent of :mod:`smptk.kernels` (``linear_reference``, ``swiglu_reference`` and the
+  activations).
+- :mod:`smptk.testing.tolerances`: ``assert_close`` and the per-dtype tolerance model it applies (final
+  rounding, fp32 accumulation over the reduction length, intermediates stored in the low dtype), with the
+  per-element error scales of each op.
+
+Importing this package never imports :mod:`smptk.kernels`, so a test can set ``TRITON_INTERPRET`` after
+importing it.
+"""
+
+from smptk.testing.references import (
+    ACTIVATIONS,
+    activation_fn,
+    gelu,
+    gelu_tanh,
+    linear_reference,
+    relu,
+    silu,
+    swiglu_reference,
+)
+from smptk.testing.tolerances import (
+    ErrorScale,
+    Tolerance,
+    assert_close,
+    linear_error_scales,
+    relu_kink_mask,
+    swiglu_error_scales,
+    tolerance,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "ErrorScale",
+    "Tolerance",
+    "activation_fn",
+    "assert_close",
+    "gelu",
+    "gelu_tanh",
+    "linear_error_scales",
+    "linear_reference",
+    "relu",
+    "relu_kink_mask",
+    "silu",
+    "swiglu_error_scales",
+    "swiglu_reference",
+    "tolerance",
+]

@@ -1,0 +1,38 @@
+"""Shared test setup: the Triton interpreter on CPU-only machines, the ``gpu`` marker, IEEE fp32 matmuls.
+
+Triton decides whether a ``@triton.jit`` function is interpreted when the decorator runs, that is when
+``smptk.kernels`` is first imported; so ``TRITON_INTERPRET=1`` is set here, at conftest import, before any
+test module imports the kernels. It is set only where torch sees no CUDA device (on a GPU machine the
+kernels compile for the GPU and the CPU-interpreter tests skip) and only if the caller has not set it.
+
+Tests that need a GPU carry ``@pytest.mark.gpu`` (registered in pyproject.toml) and skip with
+``helpers.CUDA_SKIP_REASON`` where none is visible (the hook below); ``helpers.DEVICES`` parametrizes a
+test over CPU and CUDA that way. Shared non-fixture helpers live in ``tests/helpers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Imported after TRITON_INTERPRET is set, on purpose (helpers itself never imports smptk.kernels).
+from helpers import CUDA_SKIP_REASON, HAS_CUDA
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
+        pytest.skip(CUDA_SKIP_REASON)
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32_matmul():
+    """fp32 references must be IEEE fp32 on CUDA, and the kernels read the same flag: force TF32 off."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved

@@ -1,0 +1,228 @@
+"""The SMPTK_KERNELS switch (smptk.kernels.runtime): values, per-call reading, and which path runs.
+
+``select_path`` is tested directly with the interpreter and the Triton install monkeypatched, and end to
+end through ``fused_linear`` / ``swiglu`` by counting launches of the shared Triton GEMM launcher
+(``smptk.kernels._matmul.launch``, which every Triton forward goes through).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from helpers import NO_INTERPRETER_REASON, check_fused_linear, check_swiglu, linear_inputs, swiglu_inputs
+
+from smptk.kernels import _matmul, fused_linear, runtime, swiglu
+
+CPU = torch.empty(2, device="cpu")
+CPU_BF16 = torch.empty(2, device="cpu", dtype=torch.bfloat16)
+# select_path reads only ``.device`` and ``.dtype``; a stand-in lets the CUDA branch run without a GPU.
+FAKE_CUDA = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+FAKE_CUDA_BF16 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Set what ``runtime.interpreter_enabled()`` reports: ``interpreter(True)`` / ``interpreter(False)``."""
+
+    def set_to(on: bool) -> None:
+        monkeypatch.setattr(runtime, "interpreter_enabled", lambda: on)
+
+    return set_to
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "auto"),
+        ("", "auto"),
+        ("auto", "auto"),
+        ("triton", "triton"),
+        ("torch", "torch"),
+        (" Triton ", "triton"),
+        ("TORCH", "torch"),
+    ],
+    ids=["unset", "empty", "auto", "triton", "torch", "padded-mixed-case", "upper-case"],
+)
+def test_requested_path_values(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("SMPTK_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("SMPTK_KERNELS", value)
+    assert runtime.requested_path() == expected
+
+
+@pytest.mark.parametrize("value", ["cuda", "triton,torch", "1", "pytorch"])
+def test_invalid_value_is_an_error(monkeypatch, value):
+    monkeypatch.setenv("SMPTK_KERNELS", value)
+    with pytest.raises(ValueError, match="SMPTK_KERNELS") as info:
+        runtime.select_path(CPU)
+    assert repr(value.strip().lower()) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", True), ("true", True), ("Yes", True), (" on ", True), ("0", False), ("", False), ("no", False)],
+)
+def test_interpreter_enabled_reads_triton_interpret(monkeypatch, value, expected):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert runtime.interpreter_enabled() is expected
+
+
+SELECT_CASES = [
+    ("auto", True, "cpu", "triton"),
+    ("auto", False, "cpu", "torch"),
+    ("auto", False, "cuda", "triton"),
+    ("auto", True, "cuda", "triton"),
+    ("torch", True, "cpu", "torch"),
+    ("torch", False, "cuda", "torch"),
+    ("triton", True, "cpu", "triton"),
+    ("triton", False, "cuda", "triton"),
+]
+
+
+@pytest.mark.parametrize(
+    ("requested", "interpret", "device", "expected"),
+    [pytest.param(*c, id=f"{c[0]}-{'interp' if c[1] else 'no-interp'}-{c[2]}") for c in SELECT_CASES],
+)
+def test_select_path(monkeypatch, interpreter, requested, interpret, device, expected):
+    monkeypatch.setenv("SMPTK_KERNELS", requested)
+    interpreter(interpret)
+    assert runtime.select_path(CPU if device == "cpu" else FAKE_CUDA) == expected
+
+
+def test_forced_triton_on_cpu_without_interpreter_is_an_error(monkeypatch, interpreter):
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    interpreter(False)
+    with pytest.raises(RuntimeError, match=r"SMPTK_KERNELS=triton.*TRITON_INTERPRET=1"):
+        runtime.select_path(CPU)
+
+
+def test_bf16_on_cpu_interpreter_takes_torch_under_auto(monkeypatch, interpreter):
+    """Triton's interpreter gets bf16 tl.dot wrong, so auto must not send bf16 CPU tensors there."""
+    interpreter(True)
+    monkeypatch.setenv("SMPTK_KERNELS", "auto")
+    assert runtime.select_path(CPU_BF16) == "torch"
+    assert runtime.select_path(CPU) == "triton"
+    assert runtime.select_path(FAKE_CUDA_BF16) == "triton"
+
+
+def test_forced_triton_bf16_on_cpu_interpreter_is_an_error(monkeypatch, interpreter):
+    interpreter(True)
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match=r"SMPTK_KERNELS=triton.*bf16"):
+        runtime.select_path(CPU_BF16)
+
+
+def test_forced_triton_without_triton_installed_is_an_error(monkeypatch, interpreter):
+    monkeypatch.setattr(runtime, "triton_available", lambda: False)
+    interpreter(True)
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    with pytest.raises(RuntimeError, match="not installed"):
+        runtime.select_path(FAKE_CUDA)
+    monkeypatch.setenv("SMPTK_KERNELS", "auto")
+    assert runtime.select_path(FAKE_CUDA) == "torch"
+    assert runtime.select_path(CPU) == "torch"
+
+
+def test_switch_is_read_at_every_call(monkeypatch, interpreter):
+    interpreter(True)
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    assert runtime.select_path(CPU) == "torch"
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    assert runtime.select_path(CPU) == "triton"
+    monkeypatch.setenv("SMPTK_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="SMPTK_KERNELS"):
+        runtime.select_path(CPU)
+
+
+@pytest.mark.parametrize(
+    ("requested", "interpret", "expected"),
+    [
+        ("auto", True, {"cpu": "triton (interpreter; bfloat16: torch)", "cuda": "triton (interpreter)"}),
+        ("auto", False, {"cpu": "torch", "cuda": "triton"}),
+        ("torch", True, {"cpu": "torch", "cuda": "torch"}),
+        ("triton", False, {"cpu": "error: triton cannot run here", "cuda": "triton"}),
+    ],
+    ids=["auto-interp", "auto-no-interp", "torch", "triton-no-interp"],
+)
+def test_describe(monkeypatch, interpreter, requested, interpret, expected):
+    monkeypatch.setenv("SMPTK_KERNELS", requested)
+    interpreter(interpret)
+    got = runtime.describe()
+    assert got == {"requested": requested, "interpreter": "on" if interpret else "off", **expected}
+
+
+# --- end to end: which implementation a public call runs ---------------------------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts calls of the Triton GEMM launcher while still launching."""
+    calls = []
+    real = _matmul.launch
+
+    def counting(*args, **kwargs):
+        calls.append(getattr(args[1], "__name__", repr(args[1])))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_matmul, "launch", counting)
+    return calls
+
+
+def _run_ops():
+    check_fused_linear(*linear_inputs((7, 40), 17, dtype=torch.float32, device="cpu", bias=True), "gelu")
+    check_swiglu(*swiglu_inputs((7, 40), 17, dtype=torch.float32, device="cpu"))
+
+
+@pytest.mark.parametrize("requested", ["triton", "auto"])
+def test_triton_path_launches_triton(monkeypatch, launches, requested):
+    if not runtime.interpreter_enabled():
+        pytest.skip(NO_INTERPRETER_REASON)
+    monkeypatch.setenv("SMPTK_KERNELS", requested)
+    _run_ops()
+    # fused_linear: forward, dx, dweight; swiglu: forward, dx, both dweights in one.
+    assert len(launches) == 6, launches
+
+
+def test_torch_path_launches_nothing(monkeypatch, launches):
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    _run_ops()
+    assert launches == []
+
+
+def test_auto_without_interpreter_runs_torch_on_cpu(monkeypatch, interpreter, launches):
+    monkeypatch.setenv("SMPTK_KERNELS", "auto")
+    interpreter(False)
+    _run_ops()
+    assert launches == []
+
+
+@pytest.mark.parametrize("op", ["fused_linear", "swiglu"])
+def test_public_ops_refuse_forced_triton_without_interpreter(monkeypatch, interpreter, launches, op):
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    interpreter(False)
+    x = torch.randn(3, 8)
+    w = torch.randn(5, 8)
+    with pytest.raises(RuntimeError, match="SMPTK_KERNELS=triton"):
+        fused_linear(x, w) if op == "fused_linear" else swiglu(x, w, w)
+    assert launches == []
+
+
+@pytest.mark.parametrize("op", ["fused_linear", "swiglu"])
+def test_public_ops_reject_invalid_switch(monkeypatch, op):
+    monkeypatch.setenv("SMPTK_KERNELS", "fast")
+    x = torch.randn(3, 8)
+    w = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="SMPTK_KERNELS"):
+        fused_linear(x, w) if op == "fused_linear" else swiglu(x, w, w)
+
+
+def test_poison_env_fills_new_buffers_with_nan(monkeypatch):
+    """SMPTK_POISON_OUTPUTS=1 is what makes the kernel tests catch unwritten elements: check it does."""
+    from smptk.kernels._buffers import new_buffer
+
+    monkeypatch.setenv("SMPTK_POISON_OUTPUTS", "1")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.isnan(new_buffer((3, 5), dtype, torch.device("cpu"))).all()
