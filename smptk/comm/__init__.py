@@ -1,8 +1,42 @@
 """Collectives over symmetric memory with a bounded SM budget, falling back to torch.distributed.
 
-This package is the home of ``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
-``all_to_all_single`` (see DESIGN.md, "Public surface"). It exports nothing yet: the collectives arrive
-with their own issue, and nothing here pretends to implement them before then.
+Same call shapes as torch.distributed; ``max_sms`` bounds the SMs (programs) a collective occupies:
+
+- :func:`all_reduce` (in place), :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`,
+  :func:`all_to_all_single` (uneven splits).
+- :func:`configure` / :func:`settings` (``max_sms``, ``timeout_s``, ``heap_bytes``; environment variables
+  SMPTK_COMM_MAX_SMS, SMPTK_COMM_TIMEOUT_S, SMPTK_COMM_HEAP_BYTES), :func:`last_path`, :func:`reset`,
+  :func:`check`.
+- :class:`CommTimeoutError` when a peer never arrives; :class:`CommError` for an unusable heap.
+
+The symmetric heap (:mod:`smptk.comm.heap`) uses torch symmetric memory on CUDA and POSIX shared memory
+on CPU, where the same Triton kernels run under ``TRITON_INTERPRET=1``.
 """
 
-__all__: list[str] = []
+from smptk.comm.collectives import (
+    CommError,
+    CommTimeoutError,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    check,
+    configure,
+    last_path,
+    reduce_scatter_tensor,
+    reset,
+    settings,
+)
+
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "check",
+    "configure",
+    "last_path",
+    "reduce_scatter_tensor",
+    "reset",
+    "settings",
+]

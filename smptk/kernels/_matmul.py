@@ -58,10 +58,12 @@ _CUDA_CONFIGS = [
 # for a masked tail, and the fewest programs for the small shapes the CPU tests use.
 _INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 
-_SQRT1_2 = 0.7071067811865476  # 1/sqrt(2)
-_INV_SQRT_2PI = 0.3989422804014327  # 1/sqrt(2*pi)
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2/pi)
-_GELU_TANH_A = 0.044715
+# Globals read inside @triton.jit must be tl.constexpr (the compiler rejects plain Python globals; the
+# interpreter does not, so CPU tests cannot catch this). Keep tensors on the left of each product.
+_SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/sqrt(2)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1/sqrt(2*pi)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2/pi)
+_GELU_TANH_A = tl.constexpr(0.044715)
 
 
 @triton.jit
@@ -72,7 +74,7 @@ def activation_fwd(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 2:
         z = 0.5 * z * (1.0 + tl.math.erf(z * _SQRT1_2))
     elif ACTIVATION == 3:
-        u = _SQRT_2_OVER_PI * (z + _GELU_TANH_A * z * z * z)
+        u = (z + z * z * z * _GELU_TANH_A) * _SQRT_2_OVER_PI
         z = z * tl.sigmoid(2.0 * u)
     elif ACTIVATION == 4:
         z = z * tl.sigmoid(z)
@@ -87,8 +89,8 @@ def activation_grad(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 2:
         g = 0.5 * (1.0 + tl.math.erf(z * _SQRT1_2)) + z * tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
     elif ACTIVATION == 3:
-        s = tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (z + _GELU_TANH_A * z * z * z))
-        g = s + z * s * (1.0 - s) * (2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_TANH_A * z * z)
+        s = tl.sigmoid((z + z * z * z * _GELU_TANH_A) * _SQRT_2_OVER_PI * 2.0)
+        g = s + z * s * (1.0 - s) * (z * z * _GELU_TANH_A * 3.0 + 1.0) * _SQRT_2_OVER_PI * 2.0
     elif ACTIVATION == 4:
         s = tl.sigmoid(z)
         g = s * (1.0 + z * (1.0 - s))

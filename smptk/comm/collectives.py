@@ -1,0 +1,581 @@
+"""The collectives: torch.distributed's call shapes, run by the symmetric-heap kernels with an SM budget.
+
+Each call takes the symmetric path when the group has a heap here (every rank on one machine, a CUDA
+tensor with torch symmetric memory, or a CPU tensor under ``TRITON_INTERPRET=1``) and the dtype and op
+are ones the kernels have (fp32 / bf16 / fp16 / int32; sum, avg, max, min, avg not for int32); it falls
+back to torch.distributed otherwise, and :func:`last_path` says which ran. Messages larger than the heap
+are cut into heap-sized chunks, so any size works.
+
+Settings (:func:`configure`, or the environment before the first call): ``max_sms`` (SMPTK_COMM_MAX_SMS,
+default 8) programs per collective, ``timeout_s`` (SMPTK_COMM_TIMEOUT_S, default 300) per wait on a peer,
+``heap_bytes`` (SMPTK_COMM_HEAP_BYTES, default 64 MiB) per rank. Every rank of a group must use the same
+settings and make the same sequence of calls, as with any collective library.
+
+Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetric path)::
+
+    >>> import smptk.comm as comm
+    >>> t = torch.ones(1000, device="cuda")
+    >>> comm.all_reduce(t, max_sms=4)            # in place, like dist.all_reduce
+    >>> comm.last_path()
+    'symmetric'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from smptk.comm.heap import HeapUnavailable, SymmetricHeap
+from smptk.kernels import collectives as K
+from smptk.kernels import runtime
+from smptk.kernels.heap_layout import MAX_PROGRAMS
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+# all_reduce "auto": one-shot (each rank reads all W buffers: lowest latency) up to this size, two-shot
+# (reduce-scatter + all-gather: each rank reads ~2 buffers' worth) above. Untuned; no GPU run yet.
+ONE_SHOT_MAX_BYTES = 256 * 1024
+
+
+class CommError(RuntimeError):
+    """A collective could not run (broken heap, inconsistent arguments across ranks)."""
+
+
+class CommTimeoutError(CommError):
+    """A peer did not arrive at a barrier within ``timeout_s``; ``missing_ranks`` names it (group ranks)."""
+
+    def __init__(self, message: str, missing_ranks: list[int]):
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+@dataclasses.dataclass
+class _Settings:
+    max_sms: int
+    timeout_s: float
+    heap_bytes: int
+
+
+def _env_number(name: str, default: float, kind: type) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a {kind.__name__}") from None
+
+
+_settings: _Settings | None = None
+_heaps: dict[tuple[int, str], SymmetricHeap | None] = {}
+_last_path: str | None = None
+
+
+def _current() -> _Settings:
+    global _settings
+    if _settings is None:
+        _settings = _Settings(
+            max_sms=int(_env_number("SMPTK_COMM_MAX_SMS", 8, int)),
+            timeout_s=float(_env_number("SMPTK_COMM_TIMEOUT_S", 300.0, float)),
+            heap_bytes=int(_env_number("SMPTK_COMM_HEAP_BYTES", 64 * 1024 * 1024, int)),
+        )
+        _validate(_settings)
+    return _settings
+
+
+def _validate(s: _Settings) -> None:
+    if not 1 <= s.max_sms <= MAX_PROGRAMS:
+        raise ValueError(f"max_sms: expected 1..{MAX_PROGRAMS}, got {s.max_sms}")
+    if not s.timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {s.timeout_s}")
+    if s.heap_bytes < 4096 or s.heap_bytes % 16:
+        raise ValueError(f"heap_bytes: expected a multiple of 16 of at least 4096, got {s.heap_bytes}")
+
+
+def configure(
+    *, max_sms: int | None = None, timeout_s: float | None = None, heap_bytes: int | None = None
+) -> None:
+    """Set the defaults of every later call on this rank (call it identically on every rank).
+
+    Changing ``heap_bytes`` drops this rank's heaps; the next collective on a group builds a new one
+    (a collective step, so every rank must change it at the same point).
+
+    Example::
+
+        >>> configure(max_sms=4, timeout_s=30)
+    """
+    cur = _current()
+    new = _Settings(
+        max_sms=cur.max_sms if max_sms is None else int(max_sms),
+        timeout_s=cur.timeout_s if timeout_s is None else float(timeout_s),
+        heap_bytes=cur.heap_bytes if heap_bytes is None else int(heap_bytes),
+    )
+    _validate(new)
+    if new.heap_bytes != cur.heap_bytes:
+        reset()
+    cur.max_sms, cur.timeout_s, cur.heap_bytes = new.max_sms, new.timeout_s, new.heap_bytes
+
+
+def settings() -> dict[str, float]:
+    """The settings in force: ``{"max_sms", "timeout_s", "heap_bytes"}``."""
+    return dataclasses.asdict(_current())
+
+
+def last_path() -> str | None:
+    """Which path the last collective on this rank took: "symmetric" or "torch.distributed:<backend>"."""
+    return _last_path
+
+
+def reset(group: dist.ProcessGroup | None = None) -> None:
+    """Forget this rank's heap for ``group`` (all groups when None), e.g. after a CommTimeoutError.
+
+    The next symmetric call on the group builds a new heap, collectively.
+    """
+    for key in [k for k in _heaps if group is None or k[0] == id(group)]:
+        heap = _heaps.pop(key)
+        if heap is not None:
+            heap.close()
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError("smptk.comm needs torch.distributed to be initialized (init_process_group)")
+    if group is None:
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError("group: this rank is not a member of the given process group")
+    return group
+
+
+def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | None:
+    """The group's heap for ``tensor``'s device type, building it on first use; None when none applies."""
+    if tensor.device.type == "cuda" and not runtime.interpreter_enabled():
+        backend = "cuda"
+    elif tensor.device.type == "cpu" and runtime.interpreter_enabled():
+        backend = "cpu"
+    else:
+        return None
+    if not runtime.triton_available():
+        return None
+    key = (id(group), backend)
+    if key not in _heaps:
+        try:
+            _heaps[key] = SymmetricHeap.create(group, _current().heap_bytes, backend)
+        except HeapUnavailable:
+            _heaps[key] = None
+    return _heaps[key]
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+    return t
+
+
+def _check_pair(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tensor) -> None:
+    if out.dtype != inp.dtype:
+        raise TypeError(f"{out_name}: dtype {out.dtype} does not match {in_name}'s {inp.dtype}")
+    if out.device != inp.device:
+        raise ValueError(f"{out_name}: on {out.device} but {in_name} is on {inp.device}")
+
+
+def _max_sms(max_sms: int | None) -> int:
+    p = _current().max_sms if max_sms is None else int(max_sms)
+    if not 1 <= p <= MAX_PROGRAMS:
+        raise ValueError(f"max_sms: expected 1..{MAX_PROGRAMS}, got {max_sms}")
+    return p
+
+
+def _op_code(op: str, dtype: torch.dtype) -> int:
+    if op not in K.OPS:
+        raise ValueError(f"op: expected one of {tuple(K.OPS)}, got {op!r}")
+    return K.OPS[op]
+
+
+def _symmetric_ok(heap: SymmetricHeap | None, dtype: torch.dtype, op: str | None = None) -> bool:
+    if heap is None or dtype not in KERNEL_DTYPES:
+        return False
+    return not (op == "avg" and dtype == torch.int32)
+
+
+def _fallback(group: dist.ProcessGroup) -> None:
+    global _last_path
+    _last_path = f"torch.distributed:{dist.get_backend(group)}"
+
+
+def _acc_type(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.int32 if dtype == torch.int32 else tl.float32
+
+
+def _launch(heap: SymmetricHeap, kernel, programs: int, *args, **meta) -> None:
+    """Run one collective kernel with a bounded wait; raise CommTimeoutError if a peer never arrived."""
+    global _last_path
+    if heap.broken is not None:
+        raise CommError(
+            f"rank {heap.rank}: the symmetric heap is unusable ({heap.broken}); call smptk.comm.reset() "
+            "on every rank to build a new one"
+        )
+    timeout_s = _current().timeout_s
+    interpreted = runtime.interpreter_enabled()
+    block = K.BLOCK_INTERPRETER if interpreted else K.BLOCK
+    timer = None
+    if interpreted:  # no clock inside an interpreted kernel: a host thread raises the abort word instead
+        timer = threading.Timer(timeout_s, heap.abort_flag.fill_, args=(1,))
+        timer.daemon = True
+        timer.start()
+    try:
+        kernel[(programs,)](*args, int(timeout_s * 1e9), BLOCK=block, USE_CLOCK=not interpreted, **meta)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    _last_path = "symmetric"
+    if heap.backend == "cpu" or (heap.status.is_cuda and _sync_checks()):
+        _raise_on_status(heap, timeout_s)
+
+
+def _sync_checks() -> bool:
+    """On CUDA, checking a kernel's status means a host sync; SMPTK_COMM_SYNC_CHECK=1 asks for it."""
+    return os.environ.get("SMPTK_COMM_SYNC_CHECK", "0") == "1"
+
+
+def _raise_on_status(heap: SymmetricHeap, timeout_s: float) -> None:
+    status = heap.status.cpu()
+    missing = [q for q in range(heap.world_size) if int(status[q]) != 0]
+    if missing:
+        heap.broken = f"ranks {missing} did not arrive within {timeout_s:g} s"
+        raise CommTimeoutError(
+            f"rank {heap.rank}: group rank(s) {missing} did not arrive at a barrier within {timeout_s:g} s "
+            "(timeout_s); the heap is now marked broken",
+            missing,
+        )
+
+
+def check(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for this rank's queued collectives on ``group`` and raise if any timed out (CUDA: syncs).
+
+    On CPU every call is checked as it returns; on CUDA a call returns before its kernel finishes, so a
+    timeout surfaces here or, with SMPTK_COMM_SYNC_CHECK=1, at the end of every call.
+    """
+    g = _group(group)
+    for (gid, _), heap in list(_heaps.items()):
+        if gid == id(g) and heap is not None:
+            if heap.status.is_cuda:
+                torch.cuda.synchronize(heap.device)
+            _raise_on_status(heap, _current().timeout_s)
+
+
+def _heap_elems(heap: SymmetricHeap, dtype: torch.dtype) -> int:
+    return heap.heap_bytes // torch.empty((), dtype=dtype).element_size()
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_sms: int | None = None,
+    algorithm: str = "auto",
+) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``group`` (like ``dist.all_reduce``); returns ``tensor``.
+
+    Args:
+        tensor: contiguous; fp32/bf16/fp16/int32 take the symmetric path (fp32 accumulation for 16-bit).
+        op: "sum", "avg", "max" or "min".
+        group: process group (default: the world).
+        max_sms: programs (SMs) the kernel occupies, 1..256 (default: :func:`configure`'s, 8).
+        algorithm: "auto", "one_shot" or "two_shot".
+
+    Example::
+
+        >>> t = torch.full((4,), float(dist.get_rank()))
+        >>> all_reduce(t, op="max")   # every rank: world_size - 1
+    """
+    g = _group(group)
+    _check_tensor("tensor", tensor)
+    code = _op_code(op, tensor.dtype)
+    programs = _max_sms(max_sms)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+    heap = _heap(g, tensor)
+    if not _symmetric_ok(heap, tensor.dtype, op):
+        _torch_all_reduce(tensor, op, g)
+        return tensor
+    world = heap.world_size
+    if algorithm == "auto":
+        algorithm = "one_shot" if tensor.numel() * tensor.element_size() <= ONE_SHOT_MAX_BYTES else "two_shot"
+    flat = tensor.view(-1)
+    chunk = _heap_elems(heap, tensor.dtype)
+    acc = _acc_type(tensor.dtype)
+    for c0 in range(0, flat.numel(), chunk):
+        part = flat[c0 : c0 + chunk]
+        n = part.numel()
+        common = (heap.data_ptrs, heap.signal_ptrs, heap.status, heap.rank, world, n)
+        if algorithm == "one_shot":
+            _launch(heap, K._all_reduce_one_shot_kernel, programs, part, part, *common, OP=code, ACC=acc)
+        else:
+            slice_n = -(-n // world)
+            _launch(
+                heap, K._all_reduce_two_shot_kernel, programs, part, part, *common, slice_n, OP=code, ACC=acc
+            )
+    if flat.numel() == 0:
+        global _last_path
+        _last_path = "symmetric"
+    return tensor
+
+
+def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
+    backend = dist.get_backend(g)
+    if op == "avg" and backend != "nccl":  # gloo has no AVG: sum, then divide
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g)
+        if tensor.is_floating_point():
+            tensor.div_(dist.get_world_size(g))
+        else:
+            tensor.floor_divide_(dist.get_world_size(g))
+    else:
+        red = {
+            "sum": dist.ReduceOp.SUM,
+            "avg": dist.ReduceOp.AVG,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }
+        dist.all_reduce(tensor, op=red[op], group=g)
+    _fallback(g)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_sms: int | None = None,
+) -> torch.Tensor:
+    """Gather every rank's ``input`` into ``output`` (``world * input.numel()`` elements, rank order).
+
+    Same semantics as ``dist.all_gather_into_tensor``: ``output`` may be ``[world * d0, ...]`` or
+    ``[world, *input.shape]``; only the element count and dtype must match. Returns ``output``.
+
+    Example::
+
+        >>> out = torch.empty(dist.get_world_size() * 3)
+        >>> all_gather_into_tensor(out, torch.full((3,), float(dist.get_rank())))
+    """
+    g = _group(group)
+    _check_tensor("output", output)
+    _check_tensor("input", input)
+    _check_pair("output", output, "input", input)
+    world = dist.get_world_size(g)
+    if output.numel() != world * input.numel():
+        raise ValueError(
+            f"output: expected world_size * input.numel() = {world} * {input.numel()} elements, "
+            f"got {output.numel()} (shape {tuple(output.shape)})"
+        )
+    programs = _max_sms(max_sms)
+    heap = _heap(g, input)
+    if not _symmetric_ok(heap, input.dtype):
+        dist.all_gather_into_tensor(output, input, group=g)
+        _fallback(g)
+        return output
+    src, dst = input.view(-1), output.view(-1)
+    n_total = src.numel()
+    chunk = _heap_elems(heap, input.dtype)
+    for c0 in range(0, max(n_total, 1), chunk):
+        n = min(chunk, n_total - c0)
+        _launch(
+            heap,
+            K._all_gather_kernel,
+            programs,
+            src[c0:],
+            dst[c0:],
+            heap.data_ptrs,
+            heap.signal_ptrs,
+            heap.status,
+            heap.rank,
+            world,
+            n,
+            n_total,
+        )
+    return output
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_sms: int | None = None,
+) -> torch.Tensor:
+    """Reduce ``input`` (``world * output.numel()`` elements) over ranks; rank r keeps block r in ``output``.
+
+    Same semantics as ``dist.reduce_scatter_tensor``. Returns ``output``.
+
+    Example::
+
+        >>> out = torch.empty(3)
+        >>> reduce_scatter_tensor(out, torch.ones(dist.get_world_size() * 3))   # out == world_size
+    """
+    g = _group(group)
+    _check_tensor("output", output)
+    _check_tensor("input", input)
+    _check_pair("output", output, "input", input)
+    world = dist.get_world_size(g)
+    if input.numel() != world * output.numel():
+        raise ValueError(
+            f"input: expected world_size * output.numel() = {world} * {output.numel()} elements, "
+            f"got {input.numel()} (shape {tuple(input.shape)})"
+        )
+    code = _op_code(op, input.dtype)
+    programs = _max_sms(max_sms)
+    heap = _heap(g, input)
+    if not _symmetric_ok(heap, input.dtype, op):
+        _torch_reduce_scatter(output, input, op, g)
+        return output
+    src, dst = input.view(-1), output.view(-1)
+    n_total = dst.numel()
+    chunk = max(1, _heap_elems(heap, input.dtype) // world)
+    acc = _acc_type(input.dtype)
+    for c0 in range(0, max(n_total, 1), chunk):
+        n = min(chunk, n_total - c0)
+        _launch(
+            heap,
+            K._reduce_scatter_kernel,
+            programs,
+            src[c0:],
+            dst[c0:],
+            heap.data_ptrs,
+            heap.signal_ptrs,
+            heap.status,
+            heap.rank,
+            world,
+            n,
+            n_total,
+            OP=code,
+            ACC=acc,
+        )
+    return output
+
+
+def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
+    if op == "avg" and dist.get_backend(g) != "nccl":
+        dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=g)
+        world = dist.get_world_size(g)
+        output.div_(world) if output.is_floating_point() else output.floor_divide_(world)
+    else:
+        red = {
+            "sum": dist.ReduceOp.SUM,
+            "avg": dist.ReduceOp.AVG,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }
+        dist.reduce_scatter_tensor(output, input, op=red[op], group=g)
+    _fallback(g)
+
+
+def _splits(name: str, sizes: Sequence[int] | None, tensor: torch.Tensor, world: int) -> list[int]:
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if sizes is None:
+        if rows % world:
+            raise ValueError(f"{name}: None needs dim 0 ({rows}) divisible by the world size {world}")
+        return [rows // world] * world
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes):
+        raise ValueError(f"{name}: expected {world} non-negative sizes, got {sizes}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{name}: sizes sum to {sum(sizes)} but dim 0 of the tensor is {rows}")
+    return sizes
+
+
+def _window(lengths: list[int], starts: list[int], lo: int, slot: int, dev: torch.device):
+    """This round's (offsets, sizes) per peer: elements [lo, lo + slot) of each peer's segment."""
+    sizes = [min(max(n - lo, 0), slot) for n in lengths]
+    offs = [s + lo if z else 0 for s, z in zip(starts, sizes, strict=True)]
+    return torch.tensor(offs, dtype=torch.int64, device=dev), torch.tensor(
+        sizes, dtype=torch.int64, device=dev
+    )
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_sms: int | None = None,
+) -> torch.Tensor:
+    """Rank r sends rows ``input_split_sizes[d]`` of ``input`` to rank d and receives into ``output``.
+
+    Same semantics as ``dist.all_to_all_single`` (splits along dim 0; None means equal splits; the
+    sizes rank r passes must match what its peers send it). Returns ``output``.
+
+    Example::
+
+        >>> out = torch.empty(sum(recv_counts), 16)
+        >>> all_to_all_single(out, x, recv_counts, send_counts)
+    """
+    g = _group(group)
+    _check_tensor("output", output)
+    _check_tensor("input", input)
+    _check_pair("output", output, "input", input)
+    world = dist.get_world_size(g)
+    in_rows = _splits("input_split_sizes", input_split_sizes, input, world)
+    out_rows = _splits("output_split_sizes", output_split_sizes, output, world)
+    row_in = input[0].numel() if input.dim() and input.shape[0] else 0
+    row_out = output[0].numel() if output.dim() and output.shape[0] else 0
+    if input.dim() > 1 and output.dim() > 1 and input.shape[1:] != output.shape[1:]:
+        raise ValueError(
+            f"output: rows of shape {tuple(output.shape[1:])} but input rows are {tuple(input.shape[1:])}"
+        )
+    programs = _max_sms(max_sms)
+    heap = _heap(g, input)
+    if not _symmetric_ok(heap, input.dtype):
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=g)
+        _fallback(g)
+        return output
+    row = row_in or row_out or 1
+    in_len = [r * row for r in in_rows]
+    out_len = [r * row for r in out_rows]
+    in_start = [sum(in_len[:d]) for d in range(world)]
+    out_start = [sum(out_len[:d]) for d in range(world)]
+    slot = _heap_elems(heap, input.dtype) // world
+    if slot == 0:
+        raise CommError(f"heap_bytes={heap.heap_bytes} is too small for {world} ranks")
+    rounds = torch.tensor([max(-(-max(in_len + out_len) // slot), 1)], dtype=torch.int32, device=input.device)
+    all_reduce(rounds, op="max", group=g, max_sms=1)  # every rank runs the same number of rounds
+    dev = input.device
+    src, dst = input.view(-1), output.view(-1)
+    for c in range(int(rounds.item())):
+        lo = c * slot
+        in_off, in_n = _window(in_len, in_start, lo, slot, dev)
+        out_off, out_n = _window(out_len, out_start, lo, slot, dev)
+        _launch(
+            heap,
+            K._all_to_all_kernel,
+            programs,
+            src,
+            dst,
+            in_off,
+            in_n,
+            out_off,
+            out_n,
+            heap.data_ptrs,
+            heap.signal_ptrs,
+            heap.status,
+            heap.rank,
+            world,
+            slot,
+        )
+    return output

@@ -1,0 +1,192 @@
+"""Symmetric heap: one buffer per rank of a process group, mapped by every rank, plus signal pads.
+
+Every rank of the group owns a segment with the same layout; every rank can load and store every peer's
+segment through a table of addresses, which is how the collective kernels in
+:mod:`smptk.kernels.collectives` move data without a copy engine or a proxy thread.
+
+Segment layout: :mod:`smptk.kernels.heap_layout` (signal pad, control words with the abort flag, data
+region), identical on every rank.
+
+Backends:
+
+- ``"cuda"``: ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``). The peer addresses are
+  device pointers usable from any rank's kernels on one node (NVLink / PCIe P2P).
+- ``"cpu"``: POSIX shared memory. Each rank creates a segment in /dev/shm with mode 0600 under an
+  unguessable name (``smptk-`` + 128 random bits), publishes the name through ``all_gather_object`` on the
+  group, maps every peer's segment, and **unlinks its own name as soon as every rank has mapped it**
+  (a barrier later). From then on no name exists in /dev/shm at all: the memory lives exactly as long as
+  some process maps it, so nothing is left behind by a crash, a killed peer or a failing test. The same
+  Triton kernels run on these addresses under ``TRITON_INTERPRET=1``.
+
+Example::
+
+    >>> heap = SymmetricHeap.create(group, heap_bytes=1 << 20, backend="cpu")
+    >>> heap.data_ptrs          # int64 [world]: address of each rank's data region
+    >>> heap.close()
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from smptk.kernels.heap_layout import ABORT_OFFSET, DATA_OFFSET, MAX_WORLD
+
+_ALIGN = 4096
+
+
+class HeapUnavailable(RuntimeError):
+    """No symmetric heap can serve this group here (the caller falls back to torch.distributed)."""
+
+
+@dataclass
+class SymmetricHeap:
+    """A group's symmetric heap on this rank; see the module docstring for the layout.
+
+    Attributes:
+        backend: "cpu" or "cuda".
+        rank, world_size: this process's rank in the group and the group's size.
+        heap_bytes: size of each rank's data region.
+        data_ptrs, signal_ptrs: int64 ``[world]`` tensors (on the kernels' device) with the address of
+            every rank's data region and signal pad.
+        local: uint8 tensor over this rank's whole segment (signal pad, control words, data).
+        status: int32 ``[2 * world]`` on the kernels' device; kernels set ``status[q] = 1`` when rank q
+            never arrived at a barrier in time.
+        broken: a reason string once a collective failed mid-flight (signal pads are then inconsistent).
+    """
+
+    backend: str
+    rank: int
+    world_size: int
+    heap_bytes: int
+    data_ptrs: torch.Tensor
+    signal_ptrs: torch.Tensor
+    local: torch.Tensor
+    status: torch.Tensor
+    device: torch.device
+    broken: str | None = None
+    _keepalive: list = field(default_factory=list, repr=False)
+
+    @staticmethod
+    def create(group: dist.ProcessGroup, heap_bytes: int, backend: str) -> SymmetricHeap:
+        """Collective over ``group``: every rank must call it with the same ``heap_bytes`` and backend."""
+        if heap_bytes <= 0 or heap_bytes % 16:
+            raise ValueError(f"heap_bytes: expected a positive multiple of 16, got {heap_bytes}")
+        world = dist.get_world_size(group)
+        if world > MAX_WORLD:
+            raise HeapUnavailable(f"group of {world} ranks exceeds the heap's MAX_WORLD={MAX_WORLD}")
+        if backend == "cpu":
+            return _create_cpu(group, heap_bytes)
+        if backend == "cuda":
+            return _create_cuda(group, heap_bytes)
+        raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
+
+    @property
+    def abort_flag(self) -> torch.Tensor:
+        """int32 view of this rank's abort word (set by the host watchdog under the interpreter)."""
+        return self.local[ABORT_OFFSET : ABORT_OFFSET + 4].view(torch.int32)
+
+    def data(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """This rank's data region as a ``dtype`` tensor of ``numel`` elements."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.local[DATA_OFFSET : DATA_OFFSET + nbytes].view(dtype)
+
+    def close(self) -> None:
+        """Drop this rank's mappings (the memory goes when the last rank drops its own)."""
+        self._keepalive.clear()
+        self.broken = self.broken or "closed"
+
+
+def same_host(group: dist.ProcessGroup) -> bool:
+    """True when every rank of ``group`` runs on this machine (collective over the group)."""
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return len(set(names)) == 1
+
+
+def _create_cpu(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    size = -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
+    name = f"/dev/shm/smptk-{secrets.token_hex(16)}"
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        own = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    names: list = [None] * world
+    try:
+        dist.all_gather_object(names, (socket.gethostname(), name), group=group)
+        if len({host for host, _ in names}) != 1:
+            raise HeapUnavailable("the cpu heap needs every rank on one machine")
+        maps = []
+        for peer, (_, peer_name) in enumerate(names):
+            if peer == rank:
+                maps.append(own)
+                continue
+            pfd = os.open(peer_name, os.O_RDWR)
+            try:
+                maps.append(mmap.mmap(pfd, size))
+            finally:
+                os.close(pfd)
+        dist.barrier(group=group)  # every rank has mapped every segment: the names can go
+    finally:
+        os.unlink(name)
+    views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+    addrs = [v.data_ptr() for v in views]
+    local = views[rank]
+    local[:DATA_OFFSET].zero_()
+    dist.barrier(group=group)  # signal pads are zero everywhere before any kernel runs
+    return SymmetricHeap(
+        backend="cpu",
+        rank=rank,
+        world_size=world,
+        heap_bytes=heap_bytes,
+        data_ptrs=torch.tensor([a + DATA_OFFSET for a in addrs], dtype=torch.int64),
+        signal_ptrs=torch.tensor(addrs, dtype=torch.int64),
+        local=local,
+        status=torch.zeros(2 * world, dtype=torch.int32),
+        device=torch.device("cpu"),
+        _keepalive=[maps, views],
+    )
+
+
+def _create_cuda(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as e:  # pragma: no cover - every supported torch has it
+        raise HeapUnavailable(f"torch.distributed._symmetric_memory unavailable: {e}") from e
+    if not torch.cuda.is_available():
+        raise HeapUnavailable("the cuda heap needs a CUDA device")
+    if not same_host(group):
+        raise HeapUnavailable("the cuda heap needs every rank on one node")
+    device = torch.device("cuda", torch.cuda.current_device())
+    size = -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
+    local = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    local[:DATA_OFFSET].zero_()
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+        enable(group.group_name)  # needed by torch < 2.8; a no-op afterwards
+    handle = symm_mem.rendezvous(local, group.group_name)
+    torch.cuda.synchronize(device)
+    handle.barrier()  # every rank's signal pad is zero before any kernel signals it
+    ptrs = [int(p) for p in handle.buffer_ptrs]
+    return SymmetricHeap(
+        backend="cuda",
+        rank=handle.rank,
+        world_size=handle.world_size,
+        heap_bytes=heap_bytes,
+        data_ptrs=torch.tensor([p + DATA_OFFSET for p in ptrs], dtype=torch.int64, device=device),
+        signal_ptrs=torch.tensor(ptrs, dtype=torch.int64, device=device),
+        local=local,
+        status=torch.zeros(2 * handle.world_size, dtype=torch.int32, device=device),
+        device=device,
+        _keepalive=[handle],
+    )

@@ -1,0 +1,350 @@
+"""Collective kernels over a symmetric heap: exactly ``max_sms`` persistent programs looping over tiles.
+
+Each rank launches the same kernel with the same number of programs P. Program p of every rank owns
+the same tiles (tile t of every slice goes to program ``t % P``), so a barrier between program p of all
+ranks is enough to order one phase's writes before the next phase's reads: there is no grid-wide sync.
+
+Inputs every kernel takes (legend: W ranks, n elements, ``*_W`` a table with one entry per rank):
+
+- ``data_W``: int64 ``[W]`` addresses of every rank's data region (the staging buffer of the heap);
+  ``tl.load(data_W + q).to(tl.pointer_type(dtype))`` is rank q's buffer.
+- ``signal_W``: int64 ``[W]`` addresses of every rank's signal pad, int32 ``[MAX_PROGRAMS, MAX_WORLD]``;
+  slot ``[p, q]`` of rank r's pad is where rank q's program p signals rank r.
+- ``status_ptr``: int32 ``[2W]`` of this rank; ``status[q] = 1`` when rank q did not arrive in time.
+
+Barrier (per program; self-resetting, so CUDA-graph replay works): signal every peer by CAS 0 -> 1 on
+slot ``[p, me]`` of its pad (release, system scope: the data this program wrote is visible before the
+flag), then consume every peer's signal by CAS 1 -> 0 on slot ``[p, q]`` of this rank's pad (acquire).
+A put that finds 1 waits for the peer to consume the previous round first.
+
+Bounded waits: on CUDA a wait gives up once ``%globaltimer`` has advanced by ``timeout_ns`` since the
+program started; under the interpreter (no clock intrinsic) it gives up when the host watchdog sets the
+abort word. A program that gives up records the missing rank in ``status`` and skips all further work
+and barriers; the host then raises :class:`smptk.comm.CommTimeoutError`.
+
+Reductions accumulate in fp32 for fp16/bf16/fp32 and in int32 for int32. Ops: 0 sum, 1 avg, 2 max, 3 min.
+
+Worked example, one-shot all-reduce (sum), W=2, n=3: rank 0 holds [1, 2, 3], rank 1 [10, 20, 30].
+Phase 0 copies each input into its own data region; barrier; phase 1 has each rank read both regions
+and write [11, 22, 33] into its output; a closing barrier keeps the regions alive until both have read.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from smptk.kernels.heap_layout import ABORT_OFFSET, MAX_WORLD
+
+# Heap layout constants as tl.constexpr: the Triton compiler rejects plain Python globals in kernels.
+_MAX_WORLD = tl.constexpr(MAX_WORLD)
+_ABORT_WORD = tl.constexpr(ABORT_OFFSET // 4)  # int32 index of the abort word from the pad's start
+
+OP_SUM, OP_AVG, OP_MAX, OP_MIN = 0, 1, 2, 3
+# Integer arguments equal to 1 would otherwise become compile-time constants (rank 1, world 1, n 1...):
+# one compiled kernel per rank and size class is wasteful, and constants have no ``.to``.
+_NO_SPECIALIZE = ["rank", "world", "n", "slice_n", "out_stride", "in_stride", "slot", "timeout_ns"]
+OPS = {"sum": OP_SUM, "avg": OP_AVG, "max": OP_MAX, "min": OP_MIN}
+
+# Elements per tile: 1024 x 2-byte = 2 KiB per load, enough to keep a program's loads in flight. Untuned.
+BLOCK = 1024
+BLOCK_INTERPRETER = 256  # fewer numpy round trips per tile under the interpreter; also untuned
+
+
+@triton.jit
+def _i64(x):
+    """``x`` as an int64 scalar whether it is a tensor, a constant or (under the interpreter) a Python int."""
+    return tl.full((), 0, tl.int64) + x
+
+
+@triton.jit
+def _now(start_ns, USE_CLOCK: tl.constexpr):
+    if USE_CLOCK:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        t = start_ns
+    return t
+
+
+@triton.jit
+def _expired(start_ns, timeout_ns, abort_ptr, USE_CLOCK: tl.constexpr):
+    """1 when this program's wait budget is spent (clock on CUDA, host abort word under the interpreter)."""
+    if USE_CLOCK:
+        out = (_now(start_ns, USE_CLOCK) - start_ns > timeout_ns).to(tl.int32)
+    else:
+        out = (tl.load(abort_ptr, volatile=True) != 0).to(tl.int32)
+    return out
+
+
+@triton.jit
+def _spin_cas(
+    ptr, expect, new, start_ns, timeout_ns, abort_ptr, ACQUIRE: tl.constexpr, USE_CLOCK: tl.constexpr
+):
+    """CAS ``*ptr`` from expect to new, retrying until it succeeds or the budget is spent; 1 on success."""
+    if ACQUIRE:
+        done = (tl.atomic_cas(ptr, expect, new, sem="acquire", scope="sys") == expect).to(tl.int32)
+    else:
+        done = (tl.atomic_cas(ptr, expect, new, sem="release", scope="sys") == expect).to(tl.int32)
+    expired = done * 0
+    while (done == 0) & (expired == 0):
+        if ACQUIRE:
+            done = (tl.atomic_cas(ptr, expect, new, sem="acquire", scope="sys") == expect).to(tl.int32)
+        else:
+            done = (tl.atomic_cas(ptr, expect, new, sem="release", scope="sys") == expect).to(tl.int32)
+        expired = _expired(start_ns, timeout_ns, abort_ptr, USE_CLOCK)
+    return done
+
+
+@triton.jit
+def _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Barrier of program ``pid`` across all ranks; returns ``ok`` cleared if a peer never arrived."""
+    own_pad = tl.load(signal_W + rank).to(tl.pointer_type(tl.int32))
+    abort_ptr = own_pad + _ABORT_WORD
+    if ok != 0:
+        for q in range(0, world):
+            pad = tl.load(signal_W + q).to(tl.pointer_type(tl.int32))
+            done = _spin_cas(
+                pad + pid * _MAX_WORLD + rank, 0, 1, start_ns, timeout_ns, abort_ptr, False, USE_CLOCK
+            )
+            if done == 0:
+                tl.store(status_ptr + q, 1)
+            ok = ok & done
+    if ok != 0:
+        for q in range(0, world):
+            done = _spin_cas(
+                own_pad + pid * _MAX_WORLD + q, 1, 0, start_ns, timeout_ns, abort_ptr, True, USE_CLOCK
+            )
+            if done == 0:
+                tl.store(status_ptr + q, 1)
+            ok = ok & done
+    return ok
+
+
+@triton.jit
+def _reduce_peers(data_W, world, base, offs, mask, OP: tl.constexpr, ACC: tl.constexpr, DTYPE: tl.constexpr):
+    """Reduce element ``base + offs`` of every rank's data region; returns the ACC-typed result."""
+    peer = tl.load(data_W + 0).to(tl.pointer_type(DTYPE))
+    acc = tl.load(peer + base + offs, mask=mask, other=0).to(ACC)
+    for q in range(1, world):
+        peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
+        v = tl.load(peer + base + offs, mask=mask, other=0).to(ACC)
+        if OP == 2:
+            acc = tl.maximum(acc, v)
+        elif OP == 3:
+            acc = tl.minimum(acc, v)
+        else:
+            acc += v
+    if OP == 1:
+        acc = acc / world
+    return acc
+
+
+@triton.jit
+def _start(USE_CLOCK: tl.constexpr):
+    return _now(tl.full((), 0, tl.int64), USE_CLOCK)
+
+
+@triton.jit
+def _copy_in(src_ptr, dst_ptr, src_base, dst_base, n, pid, P, BLOCK: tl.constexpr):
+    """dst[dst_base + i] = src[src_base + i] for i < n, tiles ``pid, pid + P, ...`` of this program."""
+    offs = tl.arange(0, BLOCK)
+    for t in range(pid, tl.cdiv(n, BLOCK), P):
+        i = _i64(t) * BLOCK + offs
+        m = i < n
+        tl.store(dst_ptr + dst_base + i, tl.load(src_ptr + src_base + i, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _all_reduce_one_shot_kernel(
+    in_ptr,
+    out_ptr,
+    data_W,
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    n,
+    timeout_ns,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """out[:n] = reduce over ranks of in[:n]. in/out: this rank's [n] tensors (out may alias in)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    start_ns = _start(USE_CLOCK)
+    DTYPE = in_ptr.dtype.element_ty
+    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    _copy_in(in_ptr, own, 0, 0, n, pid, P, BLOCK)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    if ok != 0:
+        offs = tl.arange(0, BLOCK)
+        for t in range(pid, tl.cdiv(n, BLOCK), P):
+            i = _i64(t) * BLOCK + offs
+            m = i < n
+            acc = _reduce_peers(data_W, world, 0, i, m, OP, ACC, DTYPE)
+            tl.store(out_ptr + i, acc.to(DTYPE), mask=m)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _all_reduce_two_shot_kernel(
+    in_ptr,
+    out_ptr,
+    data_W,
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    n,
+    slice_n,
+    timeout_ns,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """Reduce-scatter then all-gather. Slice q = elements [q * slice_n, min((q + 1) * slice_n, n))."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    start_ns = _start(USE_CLOCK)
+    DTYPE = in_ptr.dtype.element_ty
+    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    for q in range(0, world):
+        base = _i64(q) * slice_n
+        _copy_in(in_ptr, own, base, base, tl.minimum(slice_n, n - base), pid, P, BLOCK)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    offs = tl.arange(0, BLOCK)
+    if ok != 0:
+        base = _i64(rank) * slice_n
+        len_r = tl.minimum(slice_n, n - base)
+        for t in range(pid, tl.cdiv(len_r, BLOCK), P):
+            i = _i64(t) * BLOCK + offs
+            m = i < len_r
+            acc = _reduce_peers(data_W, world, base, i, m, OP, ACC, DTYPE)
+            tl.store(own + base + i, acc.to(DTYPE), mask=m)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    if ok != 0:
+        for q in range(0, world):
+            peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
+            base = _i64(q) * slice_n
+            _copy_in(peer, out_ptr, base, base, tl.minimum(slice_n, n - base), pid, P, BLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _all_gather_kernel(
+    in_ptr,
+    out_ptr,
+    data_W,
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    n,
+    out_stride,
+    timeout_ns,
+    BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """out[q * out_stride + i] = (input of rank q)[i] for i < n; input [n], output [world, out_stride]."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    start_ns = _start(USE_CLOCK)
+    DTYPE = in_ptr.dtype.element_ty
+    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    _copy_in(in_ptr, own, 0, 0, n, pid, P, BLOCK)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    if ok != 0:
+        for q in range(0, world):
+            peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
+            _copy_in(peer, out_ptr, 0, _i64(q) * out_stride, n, pid, P, BLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _reduce_scatter_kernel(
+    in_ptr,
+    out_ptr,
+    data_W,
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    n,
+    in_stride,
+    timeout_ns,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """out[i] = reduce over ranks q' of (in of q')[rank * in_stride + i], i < n; staging is [world, n]."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    start_ns = _start(USE_CLOCK)
+    DTYPE = in_ptr.dtype.element_ty
+    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    for q in range(0, world):
+        _copy_in(in_ptr, own, _i64(q) * in_stride, _i64(q) * n, n, pid, P, BLOCK)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    if ok != 0:
+        offs = tl.arange(0, BLOCK)
+        base = _i64(rank) * n
+        for t in range(pid, tl.cdiv(n, BLOCK), P):
+            i = _i64(t) * BLOCK + offs
+            m = i < n
+            acc = _reduce_peers(data_W, world, base, i, m, OP, ACC, DTYPE)
+            tl.store(out_ptr + i, acc.to(DTYPE), mask=m)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _all_to_all_kernel(
+    in_ptr,
+    out_ptr,
+    in_off_W,
+    in_len_W,
+    out_off_W,
+    out_len_W,
+    data_W,
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    slot,
+    timeout_ns,
+    BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+):
+    """One round of an uneven all-to-all with ``slot`` staging elements per destination.
+
+    in_off_W/in_len_W (int64 [world]): this round's window of the input bound for each rank;
+    out_off_W/out_len_W: where the window received from each rank goes in the output. Rank q's window
+    for this rank sits at ``rank * slot`` of q's data region.
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    start_ns = _start(USE_CLOCK)
+    DTYPE = in_ptr.dtype.element_ty
+    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    for d in range(0, world):
+        _copy_in(in_ptr, own, tl.load(in_off_W + d), _i64(d) * slot, tl.load(in_len_W + d), pid, P, BLOCK)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    if ok != 0:
+        for q in range(0, world):
+            peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
+            _copy_in(
+                peer,
+                out_ptr,
+                _i64(rank) * slot,
+                tl.load(out_off_W + q),
+                tl.load(out_len_W + q),
+                pid,
+                P,
+                BLOCK,
+            )
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
