@@ -1,0 +1,134 @@
+"""Plug smptk's collectives into the engines people already run: DDP and FSDP2.
+
+- :func:`ddp_comm_hook` / :class:`SmptkHookState`: a DDP communication hook that averages each gradient
+  bucket with :func:`smptk.comm.all_reduce`. On CUDA the all-reduce runs on the hook state's own stream,
+  ordered after the bucket's gradients and overlapping the rest of the backward pass; the returned
+  future completes on that stream, so DDP's final copy waits only for the collective.
+- :class:`SmptkAllGather` / :class:`SmptkReduceScatter`: FSDP2 comm objects for
+  ``module.set_custom_all_gather(...)`` / ``module.set_custom_reduce_scatter(...)`` (torch >= 2.8). FSDP2
+  calls them on its own all-gather / reduce-scatter streams; they run there, in stream order.
+
+Example::
+
+    >>> ddp = DistributedDataParallel(model)
+    >>> ddp.register_comm_hook(SmptkHookState(max_sms=8), ddp_comm_hook)
+    >>> fully_shard(block)
+    >>> block.set_custom_all_gather(SmptkAllGather())
+    >>> block.set_custom_reduce_scatter(SmptkReduceScatter())
+"""
+
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's annotations
+# with dist.GradBucket and Future[Tensor] as objects, and strings would not match.
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from smptk.comm.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+
+try:  # FSDP2's comm interfaces (torch >= 2.8); without them only the DDP hook is offered
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - older torch
+    _AllGatherBase = _ReduceScatterBase = object
+
+
+class SmptkHookState:
+    """State of :func:`ddp_comm_hook`: the process group, the SM budget and (CUDA) the side stream.
+
+    Args:
+        group: process group to all-reduce over (default: DDP's, i.e. the world).
+        max_sms: programs per all-reduce (default: smptk.comm's setting).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, max_sms: int | None = None):
+        self.group = group
+        self.max_sms = max_sms
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+
+def ddp_comm_hook(
+    state: SmptkHookState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket's flattened gradients over the group with smptk.comm.
+
+    Register with ``ddp.register_comm_hook(SmptkHookState(), ddp_comm_hook)``.
+    """
+    state = state if state is not None else SmptkHookState()
+    tensor = bucket.buffer()
+    if not tensor.is_cuda:
+        all_reduce(tensor, op="avg", group=state.group, max_sms=state.max_sms)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+    stream = state.stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the bucket's gradients are written
+    tensor.record_stream(stream)
+    fut = torch.futures.Future(devices=[tensor.device])
+    with torch.cuda.stream(stream):
+        all_reduce(tensor, op="avg", group=state.group, max_sms=state.max_sms)
+        fut.set_result(tensor)  # the future's event is recorded on `stream`
+    return fut
+
+
+def _op_name(op: object) -> str | None:
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    return None  # e.g. NCCL's pre-multiplied sum: left to torch.distributed
+
+
+class SmptkAllGather(_AllGatherBase):
+    """FSDP2 all-gather through :func:`smptk.comm.all_gather_into_tensor` (``set_custom_all_gather``)."""
+
+    def __init__(self, max_sms: int | None = None):
+        self.max_sms = max_sms
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        all_gather_into_tensor(output_tensor, input_tensor, group, max_sms=self.max_sms)
+        return None  # done in stream order on FSDP's all-gather stream: nothing to wait on
+
+
+class SmptkReduceScatter(_ReduceScatterBase):
+    """FSDP2 reduce-scatter through :func:`smptk.comm.reduce_scatter_tensor` (``set_custom_reduce_scatter``).
+
+    Sum and average run on smptk; any other op FSDP asks for (NCCL's pre-multiplied sum) goes to
+    torch.distributed unchanged.
+    """
+
+    def __init__(self, max_sms: int | None = None):
+        self.max_sms = max_sms
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        name = _op_name(op)
+        if name is None:
+            return dist.reduce_scatter_tensor(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            )
+        reduce_scatter_tensor(output_tensor, input_tensor, name, group, max_sms=self.max_sms)
+        return None
