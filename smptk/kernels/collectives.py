@@ -24,6 +24,10 @@ and barriers; the host then raises :class:`smptk.comm.CommTimeoutError`.
 
 Reductions accumulate in fp32 for fp16/bf16/fp32 and in int32 for int32. Ops: 0 sum, 1 avg, 2 max, 3 min.
 
+``SIMULATED=True`` skips every barrier: one rank's kernel moves data through W buffers that all live in
+one device's memory, with no peer to wait for. Only the benchmarks' single-GPU "simulated world" uses it;
+its numbers are labeled as such and are not multi-GPU measurements.
+
 Worked example, one-shot all-reduce (sum), W=2, n=3: rank 0 holds [1, 2, 3], rank 1 [10, 20, 30].
 Phase 0 copies each input into its own data region; barrier; phase 1 has each rank read both regions
 and write [11, 22, 33] into its output; a closing barrier keeps the regions alive until both have read.
@@ -98,27 +102,39 @@ def _spin_cas(
 
 
 @triton.jit
-def _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK: tl.constexpr):
+def _barrier(
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    pid,
+    ok,
+    start_ns,
+    timeout_ns,
+    USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr,
+):
     """Barrier of program ``pid`` across all ranks; returns ``ok`` cleared if a peer never arrived."""
-    own_pad = tl.load(signal_W + rank).to(tl.pointer_type(tl.int32))
-    abort_ptr = own_pad + _ABORT_WORD
-    if ok != 0:
-        for q in range(0, world):
-            pad = tl.load(signal_W + q).to(tl.pointer_type(tl.int32))
-            done = _spin_cas(
-                pad + pid * _MAX_WORLD + rank, 0, 1, start_ns, timeout_ns, abort_ptr, False, USE_CLOCK
-            )
-            if done == 0:
-                tl.store(status_ptr + q, 1)
-            ok = ok & done
-    if ok != 0:
-        for q in range(0, world):
-            done = _spin_cas(
-                own_pad + pid * _MAX_WORLD + q, 1, 0, start_ns, timeout_ns, abort_ptr, True, USE_CLOCK
-            )
-            if done == 0:
-                tl.store(status_ptr + q, 1)
-            ok = ok & done
+    if not SIMULATED:
+        own_pad = tl.load(signal_W + rank).to(tl.pointer_type(tl.int32))
+        abort_ptr = own_pad + _ABORT_WORD
+        if ok != 0:
+            for q in range(0, world):
+                pad = tl.load(signal_W + q).to(tl.pointer_type(tl.int32))
+                done = _spin_cas(
+                    pad + pid * _MAX_WORLD + rank, 0, 1, start_ns, timeout_ns, abort_ptr, False, USE_CLOCK
+                )
+                if done == 0:
+                    tl.store(status_ptr + q, 1)
+                ok = ok & done
+        if ok != 0:
+            for q in range(0, world):
+                done = _spin_cas(
+                    own_pad + pid * _MAX_WORLD + q, 1, 0, start_ns, timeout_ns, abort_ptr, True, USE_CLOCK
+                )
+                if done == 0:
+                    tl.store(status_ptr + q, 1)
+                ok = ok & done
     return ok
 
 
@@ -171,6 +187,7 @@ def _all_reduce_one_shot_kernel(
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
 ):
     """out[:n] = reduce over ranks of in[:n]. in/out: this rank's [n] tensors (out may alias in)."""
     pid = tl.program_id(0)
@@ -179,7 +196,9 @@ def _all_reduce_one_shot_kernel(
     DTYPE = in_ptr.dtype.element_ty
     own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
     _copy_in(in_ptr, own, 0, 0, n, pid, P, BLOCK)
-    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    ok = _barrier(
+        signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK, SIMULATED
+    )
     if ok != 0:
         offs = tl.arange(0, BLOCK)
         for t in range(pid, tl.cdiv(n, BLOCK), P):
@@ -187,7 +206,7 @@ def _all_reduce_one_shot_kernel(
             m = i < n
             acc = _reduce_peers(data_W, world, 0, i, m, OP, ACC, DTYPE)
             tl.store(out_ptr + i, acc.to(DTYPE), mask=m)
-    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -206,6 +225,7 @@ def _all_reduce_two_shot_kernel(
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
 ):
     """Reduce-scatter then all-gather. Slice q = elements [q * slice_n, min((q + 1) * slice_n, n))."""
     pid = tl.program_id(0)
@@ -216,7 +236,9 @@ def _all_reduce_two_shot_kernel(
     for q in range(0, world):
         base = _i64(q) * slice_n
         _copy_in(in_ptr, own, base, base, tl.minimum(slice_n, n - base), pid, P, BLOCK)
-    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    ok = _barrier(
+        signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK, SIMULATED
+    )
     offs = tl.arange(0, BLOCK)
     if ok != 0:
         base = _i64(rank) * slice_n
@@ -226,13 +248,13 @@ def _all_reduce_two_shot_kernel(
             m = i < len_r
             acc = _reduce_peers(data_W, world, base, i, m, OP, ACC, DTYPE)
             tl.store(own + base + i, acc.to(DTYPE), mask=m)
-    ok = _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     if ok != 0:
         for q in range(0, world):
             peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
             base = _i64(q) * slice_n
             _copy_in(peer, out_ptr, base, base, tl.minimum(slice_n, n - base), pid, P, BLOCK)
-    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -249,6 +271,7 @@ def _all_gather_kernel(
     timeout_ns,
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
 ):
     """out[q * out_stride + i] = (input of rank q)[i] for i < n; input [n], output [world, out_stride]."""
     pid = tl.program_id(0)
@@ -257,12 +280,14 @@ def _all_gather_kernel(
     DTYPE = in_ptr.dtype.element_ty
     own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
     _copy_in(in_ptr, own, 0, 0, n, pid, P, BLOCK)
-    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    ok = _barrier(
+        signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK, SIMULATED
+    )
     if ok != 0:
         for q in range(0, world):
             peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
             _copy_in(peer, out_ptr, 0, _i64(q) * out_stride, n, pid, P, BLOCK)
-    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -281,6 +306,7 @@ def _reduce_scatter_kernel(
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
 ):
     """out[i] = reduce over ranks q' of (in of q')[rank * in_stride + i], i < n; staging is [world, n]."""
     pid = tl.program_id(0)
@@ -290,7 +316,9 @@ def _reduce_scatter_kernel(
     own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
     for q in range(0, world):
         _copy_in(in_ptr, own, _i64(q) * in_stride, _i64(q) * n, n, pid, P, BLOCK)
-    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    ok = _barrier(
+        signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK, SIMULATED
+    )
     if ok != 0:
         offs = tl.arange(0, BLOCK)
         base = _i64(rank) * n
@@ -299,7 +327,7 @@ def _reduce_scatter_kernel(
             m = i < n
             acc = _reduce_peers(data_W, world, base, i, m, OP, ACC, DTYPE)
             tl.store(out_ptr + i, acc.to(DTYPE), mask=m)
-    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -319,6 +347,7 @@ def _all_to_all_kernel(
     timeout_ns,
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
 ):
     """One round of an uneven all-to-all with ``slot`` staging elements per destination.
 
@@ -333,7 +362,9 @@ def _all_to_all_kernel(
     own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
     for d in range(0, world):
         _copy_in(in_ptr, own, tl.load(in_off_W + d), _i64(d) * slot, tl.load(in_len_W + d), pid, P, BLOCK)
-    ok = _barrier(signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK)
+    ok = _barrier(
+        signal_W, status_ptr, rank, world, pid, pid * 0 + 1, start_ns, timeout_ns, USE_CLOCK, SIMULATED
+    )
     if ok != 0:
         for q in range(0, world):
             peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
@@ -347,4 +378,4 @@ def _all_to_all_kernel(
                 P,
                 BLOCK,
             )
-    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
