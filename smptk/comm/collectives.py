@@ -147,6 +147,8 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise RuntimeError("smptk.comm needs torch.distributed to be initialized (init_process_group)")
     if group is None:
         return dist.distributed_c10d._get_default_group()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns on ranks outside it
+        raise ValueError("group: this rank is not a member of the given process group")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}"
