@@ -1,0 +1,696 @@
+"""The multi-rank side of ``tests/test_comm.py``: the case catalog and the job every spawned rank runs.
+
+``tests/comm_harness.py`` spawns W gloo ranks that each call :func:`run_job`. Every rank runs every case of
+:func:`catalog` in the same order (a collective needs the same call sequence on every rank), compares
+``smptk.comm``'s result with torch.distributed's (gloo, in the same ranks, on the same inputs) and returns
+``{case id: None, or what went wrong}``. A failed comparison is recorded and the job goes on (no call
+depends on a result); any other exception ends the job, naming the case, and fails every test of that
+world size. ``test_comm.py`` reads the outcomes, one pytest test per case. Spawning costs seconds per job,
+so one job per world size carries every case. (About 700 lines, over the usual 600: the catalog and every
+case it names must sit in one module that both the pytest process and the spawned ranks import; the
+checks and references live in ``comm_checks.py``.)
+
+What the cases hold (legend: W ranks, n elements per rank, ``heap`` = HEAP_BYTES / element size):
+
+- all_reduce / reduce_scatter: fp32, bf16, fp16, int32 x sum, avg, max, min (x one_shot, two_shot),
+  sizes 0, 1, 7 and one past the heap (so the call is cut into chunks), exactly: sum/avg inputs are small
+  integers, whose fp32 sums are exact, so the result must be the exact sum (or quotient by W) rounded
+  once to the dtype; max, min and int32 are exact outright. Inputs drawn from N(0, 1) (1001 elements for
+  all_reduce) are compared within the ``smptk.testing.tolerance`` of an fp32 sum of W terms. bf16 under
+  the interpreter rounds toward zero (Triton 3.9's interpreter casts fp32 to bf16 by truncation): there
+  either bf16 neighbour of the exact value passes, and the tolerance allows one ulp. int32 avg is not a
+  kernel op: it is checked with the fallbacks.
+- all_gather, all_to_all: copies, so compared exactly; uneven splits with zero-size splits, multi-dim
+  rows, None splits, ranks that send or receive nothing, and segments larger than the heap.
+- Outputs are views into buffers poisoned with NaN (int32: a sentinel) with 300 guard elements each side
+  (more than one 256-element interpreter tile): an unwritten output element or a write past either end
+  fails.
+- Repeated, interleaved calls of all four collectives (signal-pad reuse across sizes, dtypes, max_sms);
+  all four on a sub-group (``dist.new_group``) next to the default group.
+- Fallback paths (float64; int32 avg) and ``last_path()``; bad arguments on every rank, after which the
+  group must still work; a rank that never calls (CommTimeoutError naming it, a broken heap until
+  ``reset()``, recovery).
+
+Example (what ``test_comm.py`` does)::
+
+    >>> from comm_harness import run_ranks
+    >>> job = run_ranks("comm_jobs:run_job", world=2, timeout_s=240)
+    >>> job.values[0]["all_reduce-float32-sum-one_shot"]   # None when every check passed on rank 0
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from comm_checks import (
+    ALGORITHMS,
+    ALL_REDUCE_NORMAL_N,
+    DTYPES,
+    GLOO_OP,
+    GUARD,
+    HEAP_BYTES,
+    JOB_MAX_SMS,
+    JOB_TIMEOUT_S,
+    MISSING_TIMEOUT_S,
+    OPS,
+    Case,
+    all_gather_sizes,
+    all_reduce_sizes,
+    dist_all_gather,
+    dist_reduce_scatter,
+    expect_raises,
+    gloo_all_reduce,
+    gloo_reduce_scatter,
+    heap_elems,
+    poisoned,
+    reduce_scatter_normal_n,
+    reduce_scatter_sizes,
+    sample,
+    seeded_gen,
+)
+
+import smptk.comm as comm
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+def case_all_reduce(c: Case, world: int, rank: int, *, dtype: str, op: str, algorithm: str) -> None:
+    dt = DTYPES[dtype]
+    kind = "int" if op in ("sum", "avg") else "normal"
+    for n in all_reduce_sizes(dt):
+        x = sample(kind, dt, (n,), seeded_gen(c.cid, n, rank))
+        exact = gloo_all_reduce(x, op, world)  # exact in fp32: small integers, or max / min
+        buf, y = poisoned((n,), dt)
+        y.copy_(x)
+        returned = comm.all_reduce(y, op=op, algorithm=algorithm)
+        c.path(f"n={n}", "symmetric")
+        c.same(f"n={n}", returned, y)
+        c.rounded(f"n={n}", y, exact)
+        c.guards(f"n={n}", buf, GUARD, n)
+    if dt.is_floating_point and op in ("sum", "avg"):  # N(0, 1) inputs: not exact, a tolerance
+        n = ALL_REDUCE_NORMAL_N
+        x = sample("normal", dt, (n,), seeded_gen(c.cid, "normal", rank))
+        expected = gloo_all_reduce(x, op, world)
+        scale = gloo_all_reduce(x.float().square(), "sum", world).sqrt() / (world if op == "avg" else 1)
+        y = x.clone()
+        comm.all_reduce(y, op=op, algorithm=algorithm)
+        c.close(f"N(0,1) n={n}", y, expected, world=world, scale=scale)
+
+
+def case_all_reduce_shape(
+    c: Case, world: int, rank: int, *, shape: tuple, max_sms: int | None = None, algorithm: str = "auto"
+) -> None:
+    """fp32 sum of small integers in an arbitrary shape (0-d, 2-d) and program count."""
+    x = sample("int", torch.float32, shape, seeded_gen(c.cid, rank))
+    expected = gloo_all_reduce(x, "sum", world)
+    buf, y = poisoned(shape, torch.float32)
+    y.copy_(x)
+    comm.all_reduce(y, max_sms=max_sms, algorithm=algorithm)
+    c.path("call", "symmetric")
+    c.equal("result", y, expected)
+    c.guards("result", buf, GUARD, x.numel())
+
+
+def case_reduce_scatter(c: Case, world: int, rank: int, *, dtype: str, op: str) -> None:
+    dt = DTYPES[dtype]
+    kind = "int" if op in ("sum", "avg") else "normal"
+    for n in reduce_scatter_sizes(dt, world):
+        x = sample(kind, dt, (world * n,), seeded_gen(c.cid, n, rank))
+        exact = gloo_reduce_scatter(x, op, world)
+        buf, out = poisoned((n,), dt)
+        returned = comm.reduce_scatter_tensor(out, x, op=op)
+        c.path(f"n={n}", "symmetric")
+        c.same(f"n={n}", returned, out)
+        c.rounded(f"n={n}", out, exact)
+        c.guards(f"n={n}", buf, GUARD, n)
+    if dt.is_floating_point and op in ("sum", "avg"):
+        n = reduce_scatter_normal_n(dt, world)
+        x = sample("normal", dt, (world * n,), seeded_gen(c.cid, "normal", rank))
+        expected = gloo_reduce_scatter(x, op, world)
+        scale = gloo_reduce_scatter(x.float().square(), "sum", world).sqrt() / (world if op == "avg" else 1)
+        out = torch.full((n,), float("nan"), dtype=dt)
+        comm.reduce_scatter_tensor(out, x, op=op)
+        c.close(f"N(0,1) n={n}", out, expected, world=world, scale=scale)
+
+
+def case_reduce_scatter_shape(
+    c: Case, world: int, rank: int, *, out_shape: tuple, stacked: bool = False, max_sms: int | None = None
+) -> None:
+    """fp32 sum, multi-dim output; input ``[W * d0, ...]`` or stacked ``[W, *out_shape]``."""
+    in_shape = (world, *out_shape) if stacked else (world * out_shape[0], *out_shape[1:])
+    x = sample("int", torch.float32, in_shape, seeded_gen(c.cid, rank))
+    expected = gloo_reduce_scatter(x, "sum", world).view(out_shape)
+    buf, out = poisoned(out_shape, torch.float32)
+    comm.reduce_scatter_tensor(out, x, max_sms=max_sms)
+    c.path("call", "symmetric")
+    c.equal("result", out, expected)
+    c.guards("result", buf, GUARD, out.numel())
+
+
+def case_all_gather(c: Case, world: int, rank: int, *, dtype: str) -> None:
+    dt = DTYPES[dtype]
+    for n in all_gather_sizes(dt):
+        x = sample("normal", dt, (n,), seeded_gen(c.cid, n, rank))
+        expected = torch.empty(world * n, dtype=dt)
+        dist_all_gather(expected, x)
+        buf, out = poisoned((world * n,), dt)
+        returned = comm.all_gather_into_tensor(out, x)
+        c.path(f"n={n}", "symmetric")
+        c.same(f"n={n}", returned, out)
+        c.equal(f"n={n}", out, expected)
+        c.guards(f"n={n}", buf, GUARD, world * n)
+
+
+def case_all_gather_shape(
+    c: Case, world: int, rank: int, *, in_shape: tuple, stacked: bool = False, max_sms: int | None = None
+) -> None:
+    """fp32, multi-dim input; output ``[W * d0, ...]`` or stacked ``[W, *in_shape]``."""
+    out_shape = (world, *in_shape) if stacked else (world * in_shape[0], *in_shape[1:])
+    x = sample("normal", torch.float32, in_shape, seeded_gen(c.cid, rank))
+    expected = torch.empty(world * x.numel())  # gloo takes only the [W * d0, ...] layout; view it after
+    dist_all_gather(expected, x.reshape(-1))
+    expected = expected.view(out_shape)
+    buf, out = poisoned(out_shape, torch.float32)
+    comm.all_gather_into_tensor(out, x, max_sms=max_sms)
+    c.path("call", "symmetric")
+    c.equal("result", out, expected)
+    c.guards("result", buf, GUARD, out.numel())
+
+
+def split_matrix(pattern: str, world: int, dtype: torch.dtype, row: int) -> list[list[int]]:
+    """``S[r][d]``: rows rank r sends to rank d (rank d receives ``S[r][d]`` from r, in rank order)."""
+    if pattern == "uneven":  # zeros, including some S[r][r], and different sizes everywhere
+        return [[(2 * r + 3 * d + 1) % 5 for d in range(world)] for r in range(world)]
+    if pattern == "silent":  # rank 0 sends nothing, rank W-1 receives nothing
+        return [
+            [0 if r == 0 or d == world - 1 else (r + d) % 3 + 1 for d in range(world)] for r in range(world)
+        ]
+    if pattern == "beyond_heap":  # some segments exceed a rank's staging slot (heap / W): several rounds
+        big = heap_elems(dtype) // world // row + 3
+        return [[big + r if (r + d) % 2 == 0 else (r * d) % 3 for d in range(world)] for r in range(world)]
+    if pattern == "empty":
+        return [[0] * world for _ in range(world)]
+    raise ValueError(pattern)
+
+
+def case_all_to_all(
+    c: Case, world: int, rank: int, *, pattern: str, dtype: str, row_shape: tuple, max_sms: int | None = None
+) -> None:
+    dt = DTYPES[dtype]
+    row = math.prod(row_shape)
+    S = split_matrix(pattern, world, dt, row)
+    send = S[rank]
+    recv = [S[q][rank] for q in range(world)]
+    x = sample("normal", dt, (sum(send), *row_shape), seeded_gen(c.cid, rank))
+    expected = torch.empty((sum(recv), *row_shape), dtype=dt)
+    dist.all_to_all_single(expected, x, recv, send)
+    buf, out = poisoned((sum(recv), *row_shape), dt)
+    returned = comm.all_to_all_single(out, x, recv, send, max_sms=max_sms)
+    c.path(f"send {send} recv {recv}", "symmetric")
+    c.same("result", returned, out)
+    c.equal(f"send {send} recv {recv}", out, expected)
+    c.guards("result", buf, GUARD, out.numel())
+
+
+def case_all_to_all_equal(
+    c: Case, world: int, rank: int, *, in_shape_per_rank: tuple, explicit_out: bool = False
+) -> None:
+    """None splits (equal blocks); ``explicit_out``: input splits None, output splits given."""
+    rows = in_shape_per_rank[0]
+    shape = (world * rows, *in_shape_per_rank[1:])
+    x = sample("normal", torch.float32, shape, seeded_gen(c.cid, rank))
+    out_splits = [rows] * world if explicit_out else None
+    expected = torch.empty(shape)
+    dist.all_to_all_single(expected, x, out_splits, None)
+    buf, out = poisoned(shape, torch.float32)
+    comm.all_to_all_single(out, x, out_splits, None)
+    c.path("call", "symmetric")
+    c.equal("result", out, expected)
+    c.guards("result", buf, GUARD, out.numel())
+
+
+def case_interleaved(c: Case, world: int, rank: int, *, iterations: int) -> None:
+    """All four collectives in turn, changing dtype, size, op, algorithm and max_sms at every call."""
+    names = list(DTYPES)
+    for i in range(iterations):
+        dt = DTYPES[names[i % len(names)]]
+        sms = 1 + i % 3
+        n = 1 + (97 * i) % 600
+        op = ("sum", "max", "min")[i % 3]
+        x = sample("int", dt, (n,), seeded_gen(c.cid, i, "ar", rank))
+        expected = gloo_all_reduce(x, op, world).to(dt)
+        comm.all_reduce(x, op=op, max_sms=sms, algorithm=ALGORITHMS[i % 2])
+        c.equal(f"iteration {i} all_reduce {dt} {op} n={n} max_sms={sms}", x, expected)
+        x = sample("int", dt, (n,), seeded_gen(c.cid, i, "ag", rank))
+        expected = torch.empty(world * n, dtype=dt)
+        dist_all_gather(expected, x)
+        out = torch.empty(world * n, dtype=dt)
+        comm.all_gather_into_tensor(out, x, max_sms=4 - sms)
+        c.equal(f"iteration {i} all_gather {dt} n={n} max_sms={4 - sms}", out, expected)
+        x = sample("int", dt, (world * n,), seeded_gen(c.cid, i, "rs", rank))
+        expected = gloo_reduce_scatter(x, op, world).to(dt)
+        out = torch.empty(n, dtype=dt)
+        comm.reduce_scatter_tensor(out, x, op=op, max_sms=sms)
+        c.equal(f"iteration {i} reduce_scatter {dt} {op} n={n} max_sms={sms}", out, expected)
+        S = [[(i + r + 2 * d) % 4 for d in range(world)] for r in range(world)]
+        send, recv = S[rank], [S[q][rank] for q in range(world)]
+        x = sample("int", dt, (sum(send), 3), seeded_gen(c.cid, i, "a2a", rank))
+        expected = torch.empty(sum(recv), 3, dtype=dt)
+        dist.all_to_all_single(expected, x, recv, send)
+        out = torch.empty(sum(recv), 3, dtype=dt)
+        comm.all_to_all_single(out, x, recv, send, max_sms=sms)
+        c.equal(f"iteration {i} all_to_all {dt} send {send} max_sms={sms}", out, expected)
+        c.path(f"iteration {i}", "symmetric")
+    y = torch.full((1001,), float(rank + 1))
+    comm.all_reduce(y)
+    c.equal("final all_reduce of rank + 1", y, torch.full((1001,), world * (world + 1) / 2))
+
+
+def case_fallback(c: Case, world: int, rank: int, *, which: str) -> None:
+    """Calls the kernels do not take run on gloo, give gloo's result, and say so in last_path()."""
+    gloo = "torch.distributed:gloo"
+    if which == "float64":
+        x = torch.randn(37, generator=seeded_gen(c.cid, rank), dtype=torch.float64)
+        for op in ("sum", "max"):
+            expected = x.clone()
+            dist.all_reduce(expected, op=GLOO_OP[op])
+            y = x.clone()
+            comm.all_reduce(y, op=op)
+            c.path(f"all_reduce {op}", gloo)
+            c.equal(f"all_reduce {op}", y, expected)
+        expected = torch.empty(world * 37, dtype=torch.float64)
+        dist_all_gather(expected, x)
+        out = torch.empty(world * 37, dtype=torch.float64)
+        comm.all_gather_into_tensor(out, x)
+        c.path("all_gather", gloo)
+        c.equal("all_gather", out, expected)
+        xs = torch.randn(world * 5, generator=seeded_gen(c.cid, "rs", rank), dtype=torch.float64)
+        expected = torch.empty(5, dtype=torch.float64)
+        dist_reduce_scatter(expected, xs)
+        out = torch.empty(5, dtype=torch.float64)
+        comm.reduce_scatter_tensor(out, xs)
+        c.path("reduce_scatter", gloo)
+        c.equal("reduce_scatter", out, expected)
+        xa = torch.randn(world * 2, 3, generator=seeded_gen(c.cid, "a2a", rank), dtype=torch.float64)
+        expected = torch.empty_like(xa)
+        dist.all_to_all_single(expected, xa)
+        out = torch.empty_like(xa)
+        comm.all_to_all_single(out, xa)
+        c.path("all_to_all", gloo)
+        c.equal("all_to_all", out, expected)
+    elif which == "int32_avg":
+        # Values of both signs, so the rounding of a non-integer average shows: floor (floor_divide).
+        x = torch.randint(-1000, 1000, (23,), generator=seeded_gen(c.cid, rank), dtype=torch.int32)
+        total = x.clone()
+        dist.all_reduce(total)
+        y = x.clone()
+        comm.all_reduce(y, op="avg")
+        c.path("all_reduce avg", gloo)
+        c.equal("all_reduce avg", y, torch.div(total, world, rounding_mode="floor"))
+        xs = torch.randint(
+            -1000, 1000, (world * 9,), generator=seeded_gen(c.cid, "rs", rank), dtype=torch.int32
+        )
+        total = torch.empty(9, dtype=torch.int32)
+        dist_reduce_scatter(total, xs)
+        out = torch.empty(9, dtype=torch.int32)
+        comm.reduce_scatter_tensor(out, xs, op="avg")
+        c.path("reduce_scatter avg", gloo)
+        c.equal("reduce_scatter avg", out, torch.div(total, world, rounding_mode="floor"))
+    # The next kernel-path call says "symmetric" again.
+    y = torch.ones(3)
+    comm.all_reduce(y)
+    c.path("kernel call after the fallback", "symmetric")
+    c.equal("kernel call after the fallback", y, torch.full((3,), float(world)))
+
+
+def case_subgroup(c: Case, world: int, rank: int) -> None:
+    """A group of ranks 1..W-1 (group rank = rank - 1; one rank at W=2) next to the default group: all
+    four collectives match gloo on the same group. Rank 0 only takes part in ``new_group``."""
+    members = list(range(1, world))
+    g = dist.new_group(members)  # collective over the default group: every rank calls it
+    if rank in members:
+        gw = len(members)
+        x = sample("int", torch.float32, (11,), seeded_gen(c.cid, "ar", rank))
+        expected = x.clone()
+        dist.all_reduce(expected, group=g)
+        comm.all_reduce(x, group=g)
+        c.path("all_reduce", "symmetric")
+        c.equal("all_reduce", x, expected)
+        x = sample("int", torch.float32, (5,), seeded_gen(c.cid, "ag", rank))
+        expected = torch.empty(gw * 5)
+        dist_all_gather(expected, x, group=g)
+        out = torch.full((gw * 5,), float("nan"))
+        comm.all_gather_into_tensor(out, x, group=g)
+        c.equal("all_gather", out, expected)
+        x = sample("int", torch.float32, (gw * 3,), seeded_gen(c.cid, "rs", rank))
+        expected = torch.empty(3)
+        dist_reduce_scatter(expected, x, group=g)
+        out = torch.full((3,), float("nan"))
+        comm.reduce_scatter_tensor(out, x, group=g)
+        c.equal("reduce_scatter", out, expected)
+        me = dist.get_rank(g)
+        S = [[(r + 2 * d + 1) % 3 for d in range(gw)] for r in range(gw)]
+        send, recv = S[me], [S[q][me] for q in range(gw)]
+        x = sample("int", torch.float32, (sum(send), 2), seeded_gen(c.cid, "a2a", rank))
+        expected = torch.empty(sum(recv), 2)
+        dist.all_to_all_single(expected, x, recv, send, group=g)
+        out = torch.full((sum(recv), 2), float("nan"))
+        comm.all_to_all_single(out, x, recv, send, group=g)
+        c.path("all_to_all", "symmetric")
+        c.equal("all_to_all", out, expected)
+        comm.reset(g)
+    y = torch.full((3,), float(rank))  # the default group's heap still works next to the sub-group's
+    comm.all_reduce(y)
+    c.equal("default group after the sub-group", y, torch.full((3,), float(sum(range(world)))))
+
+
+def case_subgroup_non_member(c: Case, world: int, rank: int) -> None:
+    """Rank 0 calls a collective on a group of ranks 1..W-1: ValueError naming ``group`` (smptk's own
+    "not a member" message), at once, with no communication."""
+    g = dist.new_group(list(range(1, world)))
+    if rank == 0:
+        problem = expect_raises(
+            lambda: comm.all_reduce(torch.ones(2), group=g), ValueError, "group: this rank is not a member"
+        )
+        if problem:
+            c.fail(f"all_reduce on a group without this rank (new_group gave {g!r}): {problem}")
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def bad_inputs(world: int) -> list[tuple[str, Callable[[], object], type, str]]:
+    """``(id, call, exception type, text the message must contain)``: bad arguments, the same on every
+    rank. Every check happens before any communication, so no rank waits on another."""
+    W, V, T = world, ValueError, TypeError
+    ar, ag, rs, a2a = (
+        comm.all_reduce,
+        comm.all_gather_into_tensor,
+        comm.reduce_scatter_tensor,
+        comm.all_to_all_single,
+    )
+    group, sms = "group: expected a torch.distributed ProcessGroup or None", "max_sms: expected 1..256"
+    f16_vs_f32 = "output: dtype torch.float16 does not match input's torch.float32"
+    splits = f"expected {W} non-negative sizes"
+
+    def z(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    cases = []
+
+    def bad(cid: str, exc: type, text: str, call: Callable[[], object]) -> None:
+        cases.append((cid, call, exc, text))
+
+    bad("all_reduce-not-a-tensor", T, "tensor: expected a torch.Tensor, got list", lambda: ar([1.0, 2.0]))
+    bad("all_reduce-noncontiguous", V, "tensor: must be contiguous", lambda: ar(z(4, 6).t()))
+    bad("all_reduce-unknown-op", V, "op: expected one of", lambda: ar(z(4), op="prod"))
+    bad("all_reduce-reduceop-enum", V, "op: expected one of", lambda: ar(z(4), op=dist.ReduceOp.SUM))
+    bad("all_reduce-unknown-algorithm", V, "algorithm: expected one of", lambda: ar(z(4), algorithm="ring"))
+    bad("all_reduce-max_sms-0", V, sms, lambda: ar(z(4), max_sms=0))
+    bad("all_reduce-max_sms-257", V, sms, lambda: ar(z(4), max_sms=257))
+    bad("all_reduce-group-str", T, group, lambda: ar(z(4), group="world"))
+    bad("all_reduce-group-object", T, group, lambda: ar(z(4), group=object()))
+    bad(
+        "all_gather-output-noncontiguous",
+        V,
+        "output: must be contiguous",
+        lambda: ag(z(W * 8, 2)[:, 0], z(8)),
+    )
+    bad("all_gather-input-noncontiguous", V, "input: must be contiguous", lambda: ag(z(W * 8), z(2, 4).t()))
+    bad("all_gather-dtype-mismatch", T, f16_vs_f32, lambda: ag(z(W * 4, dtype=torch.float16), z(4)))
+    bad(
+        "all_gather-device-mismatch",
+        V,
+        "output: on meta but input is on cpu",
+        lambda: ag(z(W, device="meta"), z(1)),
+    )
+    numel = "output: expected world_size * input.numel()"
+    bad("all_gather-output-too-big", V, numel, lambda: ag(z(W * 4 + 1), z(4)))
+    bad("all_gather-output-too-small", V, numel, lambda: ag(z(W * 4 - 1), z(4)))
+    bad("all_gather-max_sms-negative", V, sms, lambda: ag(z(W * 4), z(4), max_sms=-1))
+    bad("all_gather-group-str", T, group, lambda: ag(z(W * 4), z(4), group="world"))
+    numel = "input: expected world_size * output.numel()"
+    bad("reduce_scatter-input-wrong-numel", V, numel, lambda: rs(z(4), z(W * 4 + 1)))
+    bad("reduce_scatter-dtype-mismatch", T, f16_vs_f32, lambda: rs(z(4, dtype=torch.float16), z(W * 4)))
+    bad(
+        "reduce_scatter-output-noncontiguous",
+        V,
+        "output: must be contiguous",
+        lambda: rs(z(4, 2).t(), z(W * 8)),
+    )
+    bad("reduce_scatter-unknown-op", V, "op: expected one of", lambda: rs(z(4), z(W * 4), op="product"))
+    bad("reduce_scatter-max_sms-257", V, sms, lambda: rs(z(4), z(W * 4), max_sms=257))
+    bad(
+        "all_to_all-input-splits-too-many",
+        V,
+        f"input_split_sizes: {splits}",
+        lambda: a2a(z(W + 1), z(W + 1), None, [1] * (W + 1)),
+    )
+    bad(
+        "all_to_all-output-splits-too-few",
+        V,
+        f"output_split_sizes: {splits}",
+        lambda: a2a(z(W), z(W), [1] * (W - 1), [1] * W),
+    )
+    bad(
+        "all_to_all-negative-split",
+        V,
+        f"input_split_sizes: {splits}",
+        lambda: a2a(z(W), z(W), [1] * W, [2] + [1] * (W - 2) + [-1]),
+    )
+    wrong_sum = f"input_split_sizes: sizes sum to {2 * W} but dim 0 of the tensor is {W}"
+    bad("all_to_all-input-splits-sum", V, wrong_sum, lambda: a2a(z(W, 2), z(W, 2), [1] * W, [2] * W))
+    wrong_sum = f"output_split_sizes: sizes sum to 0 but dim 0 of the tensor is {W}"
+    bad("all_to_all-output-splits-sum", V, wrong_sum, lambda: a2a(z(W, 2), z(W, 2), [0] * W, [1] * W))
+    rows = "output: rows of shape (4,) but input rows are (3,)"
+    bad("all_to_all-row-shape-mismatch", V, rows, lambda: a2a(z(W, 4), z(W, 3)))
+    bf16_vs_f32 = "output: dtype torch.bfloat16 does not match input's torch.float32"
+    bad("all_to_all-dtype-mismatch", T, bf16_vs_f32, lambda: a2a(z(W, 2, dtype=torch.bfloat16), z(W, 2)))
+    bad(
+        "all_to_all-input-noncontiguous",
+        V,
+        "input: must be contiguous",
+        lambda: a2a(z(W, 2), z(W, 4)[:, ::2]),
+    )
+    bad("all_to_all-max_sms-0", V, sms, lambda: a2a(z(W, 2), z(W, 2), max_sms=0))
+    if W > 1:  # every row count divides by 1
+        indivisible = f"input_split_sizes: None needs dim 0 ({W + 1}) divisible by the world size {W}"
+        bad("all_to_all-none-indivisible", V, indivisible, lambda: a2a(z(W, 2), z(W + 1, 2), [1] * W, None))
+    return cases
+
+
+def case_bad_input(c: Case, world: int, rank: int, *, name: str) -> None:
+    for cid, call, exc, text in bad_inputs(world):
+        if cid == name:
+            problem = expect_raises(call, exc, text)
+            if problem:
+                c.fail(problem)
+            return
+    raise KeyError(name)
+
+
+def case_usable_after_errors(c: Case, world: int, rank: int) -> None:
+    """After every rank raised on the bad arguments above, the group still runs collectives."""
+    y = torch.full((5,), float(rank))
+    comm.all_reduce(y)
+    c.path("all_reduce", "symmetric")
+    c.equal("all_reduce", y, torch.full((5,), float(sum(range(world)))))
+    x = torch.arange(world * 2, dtype=torch.float32) + 100 * rank
+    expected = torch.empty_like(x)
+    dist.all_to_all_single(expected, x)
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x)
+    c.equal("all_to_all", out, expected)
+
+
+# ------------------------------------------------------------------------------ a rank that never calls
+
+
+STAGGER_S = 0.4
+
+
+def case_missing_rank(c: Case, world: int, rank: int, *, max_sms: int) -> None:
+    """Ranks 0..W-2 call all_reduce; rank W-1 skips it and waits in a gloo barrier.
+
+    Callers arrive staggered, caller r STAGGER_S * r late (well inside timeout_s), as real ranks do; so
+    the late callers must not be named. Callers: CommTimeoutError naming exactly [W-1] after timeout_s
+    and before 2 * timeout_s; then the heap is broken (CommError, at once) until reset(). Then every rank
+    resets and the group works again.
+    """
+    T = MISSING_TIMEOUT_S
+    assert STAGGER_S * (world - 2) < T / 2, "a late caller would look missing"
+    missing = world - 1
+    warm = torch.ones(8)
+    comm.all_reduce(warm, max_sms=max_sms)  # every rank has the heap before one of them stops calling
+    c.equal("warm-up", warm, torch.full((8,), float(world)))
+    comm.configure(timeout_s=T)
+    dist.barrier()
+    if rank != missing:
+        time.sleep(STAGGER_S * rank)
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(8), max_sms=max_sms)
+            c.fail("all_reduce returned although a rank never called it")
+        except comm.CommTimeoutError as e:
+            took = time.monotonic() - start
+            if e.missing_ranks != [missing]:
+                c.fail(f"missing_ranks = {e.missing_ranks}, expected [{missing}] (message: {e})")
+            if f"[{missing}]" not in str(e) or "timeout_s" not in str(e):
+                c.fail(f"message does not name exactly [{missing}] and timeout_s: {e}")
+            if not T <= took <= 2 * T:
+                c.fail(f"raised after {took:.2f} s, expected between timeout_s={T} and {2 * T} s")
+        start = time.monotonic()
+        for name, call in (
+            ("all_reduce", lambda: comm.all_reduce(torch.ones(8))),
+            ("all_gather", lambda: comm.all_gather_into_tensor(torch.empty(world * 4), torch.ones(4))),
+        ):
+            problem = expect_raises(call, comm.CommError, "call smptk.comm.reset()")
+            if problem:
+                c.fail(f"{name} on the broken heap: {problem}")
+        if time.monotonic() - start > 1.0:
+            c.fail(
+                f"calls on the broken heap took {time.monotonic() - start:.2f} s; they should fail at once"
+            )
+        problem = expect_raises(comm.check, comm.CommTimeoutError, f"[{missing}]")
+        if problem:
+            c.fail(f"check() after the timeout: {problem}")
+    else:
+        try:
+            comm.check()  # nothing timed out on the rank that skipped
+        except Exception as e:
+            c.fail(f"check() on the skipping rank raised {type(e).__name__}: {e}")
+    dist.barrier()  # the skipping rank waits here until the callers are done
+    comm.reset()
+    comm.configure(timeout_s=JOB_TIMEOUT_S)
+    y = torch.full((8,), float(rank))
+    comm.all_reduce(y, max_sms=max_sms)
+    c.path("after reset()", "symmetric")
+    c.equal("after reset()", y, torch.full((8,), float(sum(range(world)))))
+
+
+# ------------------------------------------------------------------------------------------- catalog
+
+
+class CaseFailed(RuntimeError):
+    """An unexpected exception inside a case (not a failed comparison): ends the job."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One case: ``fn(case, world, rank, **kwargs)``; ``family`` is fn's name without ``case_``."""
+
+    cid: str
+    fn: Callable[..., None]
+    kwargs: dict
+
+    @property
+    def family(self) -> str:
+        return self.fn.__name__.removeprefix("case_")
+
+
+def catalog(world: int) -> list[Spec]:
+    """Every case of a W-rank job, in the order the ranks run them (the ids are the pytest ids)."""
+    specs: list[Spec] = []
+
+    def add(cid: str, fn: Callable[..., None], **kwargs) -> None:
+        specs.append(Spec(cid, fn, kwargs))
+
+    for name, *_ in bad_inputs(world):
+        add(f"bad_input-{name}", case_bad_input, name=name)
+    add("bad_input-then-usable", case_usable_after_errors)
+    reductions = [(d, op) for d in DTYPES for op in OPS if (d, op) != ("int32", "avg")]  # int32 avg: fallback
+    for dtype, op in reductions:
+        for alg in ALGORITHMS:
+            add(f"all_reduce-{dtype}-{op}-{alg}", case_all_reduce, dtype=dtype, op=op, algorithm=alg)
+    for alg in ALGORITHMS:
+        add(f"all_reduce-0d-{alg}", case_all_reduce_shape, shape=(), algorithm=alg)
+        add(f"all_reduce-7x13-{alg}", case_all_reduce_shape, shape=(7, 13), algorithm=alg)
+        for sms in (1, 3, 5):  # 1001 elements = 4 interpreter tiles: fewer, uneven, more programs than tiles
+            add(
+                f"all_reduce-max_sms{sms}-{alg}",
+                case_all_reduce_shape,
+                shape=(1001,),
+                max_sms=sms,
+                algorithm=alg,
+            )
+    for dtype, op in reductions:
+        add(f"reduce_scatter-{dtype}-{op}", case_reduce_scatter, dtype=dtype, op=op)
+    add("reduce_scatter-3x5", case_reduce_scatter_shape, out_shape=(3, 5))
+    add("reduce_scatter-stacked-3x5", case_reduce_scatter_shape, out_shape=(3, 5), stacked=True)
+    add("reduce_scatter-max_sms3", case_reduce_scatter_shape, out_shape=(301,), max_sms=3)
+    for dtype in DTYPES:
+        add(f"all_gather-{dtype}", case_all_gather, dtype=dtype)
+    add("all_gather-7x3", case_all_gather_shape, in_shape=(7, 3))
+    add("all_gather-stacked-7x3", case_all_gather_shape, in_shape=(7, 3), stacked=True)
+    add("all_gather-max_sms5", case_all_gather_shape, in_shape=(1001,), max_sms=5)
+    for pattern, row_shape in (("uneven", (3, 2)), ("silent", (4,)), ("beyond_heap", (5,))):
+        for dtype in DTYPES:
+            add(
+                f"all_to_all-{pattern}-{dtype}",
+                case_all_to_all,
+                pattern=pattern,
+                dtype=dtype,
+                row_shape=row_shape,
+            )
+    add("all_to_all-empty-float32", case_all_to_all, pattern="empty", dtype="float32", row_shape=(4,))
+    add(
+        "all_to_all-uneven-max_sms3",
+        case_all_to_all,
+        pattern="uneven",
+        dtype="float32",
+        row_shape=(3, 2),
+        max_sms=3,
+    )
+    add("all_to_all-none-splits-2d", case_all_to_all_equal, in_shape_per_rank=(3, 2))
+    add("all_to_all-none-splits-1d", case_all_to_all_equal, in_shape_per_rank=(5,))
+    add("all_to_all-none-in-explicit-out", case_all_to_all_equal, in_shape_per_rank=(2, 3), explicit_out=True)
+    add("subgroup", case_subgroup)
+    add("subgroup-non-member", case_subgroup_non_member)
+    add("interleaved", case_interleaved, iterations=4)
+    add("fallback-float64", case_fallback, which="float64")
+    add("fallback-int32_avg", case_fallback, which="int32_avg")
+    # Last: these break the heap on purpose (then reset and rebuild it).
+    add("missing_rank-max_sms1", case_missing_rank, max_sms=1)
+    add("missing_rank-max_sms3", case_missing_rank, max_sms=3)
+    return specs
+
+
+def run_job(rank: int, world: int) -> dict[str, str | None]:
+    """The spawned ranks' target: run every case of ``catalog(world)``; {case id: None or failures}."""
+    comm.configure(max_sms=JOB_MAX_SMS, timeout_s=JOB_TIMEOUT_S, heap_bytes=HEAP_BYTES)
+    outcomes: dict[str, str | None] = {}
+    for spec in catalog(world):
+        c = Case(spec.cid, [])
+        try:
+            spec.fn(c, world, rank, **spec.kwargs)
+        except Exception as e:
+            raise CaseFailed(f"case {spec.cid} on rank {rank}: {type(e).__name__}: {e}") from e
+        outcomes[spec.cid] = "\n".join(c.problems) or None
+    return outcomes
+
+
+# --------------------------------------------------------------------------------- harness self-tests
+
+
+def fail_while_peer_waits(rank: int, world: int) -> str:
+    """Rank 1 raises after the heap exists while rank 0 waits in a kernel for it (for the harness test)."""
+    comm.configure(max_sms=1, timeout_s=JOB_TIMEOUT_S, heap_bytes=HEAP_BYTES)
+    comm.all_reduce(torch.ones(4))
+    if rank == 1:
+        raise RuntimeError("planted failure on rank 1")
+    comm.all_reduce(torch.ones(4))  # waits for rank 1 until the harness kills it
+    return "rank 0 should not get here"
+
+
+def hang(rank: int, world: int) -> None:
+    """Every rank hangs (rank 0 in a kernel waiting for rank 1, which sleeps): for the deadline test."""
+    comm.configure(max_sms=1, timeout_s=300, heap_bytes=HEAP_BYTES)
+    comm.all_reduce(torch.ones(4))
+    if rank == 0:
+        comm.all_reduce(torch.ones(4))
+    time.sleep(300)
