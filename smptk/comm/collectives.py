@@ -68,7 +68,8 @@ def _env_number(name: str, default: float, kind: type) -> float:
     try:
         return kind(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a {kind.__name__}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={raw!r}: expected {what}") from None
 
 
 _settings: _Settings | None = None
@@ -84,15 +85,22 @@ def _current() -> _Settings:
             timeout_s=float(_env_number("SMPTK_COMM_TIMEOUT_S", 300.0, float)),
             heap_bytes=int(_env_number("SMPTK_COMM_HEAP_BYTES", 64 * 1024 * 1024, int)),
         )
-        _validate(_settings)
+        try:
+            _validate(_settings)
+        except ValueError as e:
+            _settings = None
+            raise ValueError(f"{e} (from the SMPTK_COMM_* environment variables)") from None
     return _settings
+
+
+_MAX_TIMEOUT_S = 1e6  # the kernels take the budget in int64 nanoseconds; ~11.6 days is plenty
 
 
 def _validate(s: _Settings) -> None:
     if not 1 <= s.max_sms <= MAX_PROGRAMS:
         raise ValueError(f"max_sms: expected 1..{MAX_PROGRAMS}, got {s.max_sms}")
-    if not s.timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {s.timeout_s}")
+    if not 0 < s.timeout_s <= _MAX_TIMEOUT_S:  # also rejects nan and inf
+        raise ValueError(f"timeout_s: expected seconds in (0, {_MAX_TIMEOUT_S:g}], got {s.timeout_s}")
     if s.heap_bytes < 4096 or s.heap_bytes % 16:
         raise ValueError(f"heap_bytes: expected a multiple of 16 of at least 4096, got {s.heap_bytes}")
 
@@ -111,7 +119,7 @@ def configure(
     """
     cur = _current()
     new = _Settings(
-        max_sms=cur.max_sms if max_sms is None else int(max_sms),
+        max_sms=cur.max_sms if max_sms is None else _as_int("max_sms", max_sms),
         timeout_s=cur.timeout_s if timeout_s is None else float(timeout_s),
         heap_bytes=cur.heap_bytes if heap_bytes is None else int(heap_bytes),
     )
@@ -192,8 +200,14 @@ def _check_pair(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tenso
         raise ValueError(f"{out_name}: on {out.device} but {in_name} is on {inp.device}")
 
 
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    return int(value)
+
+
 def _max_sms(max_sms: int | None) -> int:
-    p = _current().max_sms if max_sms is None else int(max_sms)
+    p = _current().max_sms if max_sms is None else _as_int("max_sms", max_sms)
     if not 1 <= p <= MAX_PROGRAMS:
         raise ValueError(f"max_sms: expected 1..{MAX_PROGRAMS}, got {max_sms}")
     return p
@@ -547,9 +561,10 @@ def all_to_all_single(
         dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=g)
         _fallback(g)
         return output
-    row = row_in or row_out or 1
-    in_len = [r * row for r in in_rows]
-    out_len = [r * row for r in out_rows]
+    # Splits count rows of each tensor; a row's element count may differ between input and output (a
+    # [4, 3] input into a flat [12] output, as torch.distributed allows), so each side uses its own.
+    in_len = [r * row_in for r in in_rows]
+    out_len = [r * row_out for r in out_rows]
     in_start = [sum(in_len[:d]) for d in range(world)]
     out_start = [sum(out_len[:d]) for d in range(world)]
     slot = _heap_elems(heap, input.dtype) // world
