@@ -84,14 +84,18 @@ def _op_name(op: object) -> str | None:
     return None  # e.g. NCCL's pre-multiplied sum: left to torch.distributed
 
 
-class SmptkAllGather(_AllGatherBase):
-    """FSDP2 all-gather through :func:`smptk.comm.all_gather_into_tensor` (``set_custom_all_gather``)."""
+class _SmptkComm:
+    """What both FSDP2 comm objects share: the SM budget and plain caching-allocator buffers."""
 
     def __init__(self, max_sms: int | None = None):
         self.max_sms = max_sms
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class SmptkAllGather(_SmptkComm, _AllGatherBase):
+    """FSDP2 all-gather through :func:`smptk.comm.all_gather_into_tensor` (``set_custom_all_gather``)."""
 
     def __call__(
         self,
@@ -104,18 +108,12 @@ class SmptkAllGather(_AllGatherBase):
         return None  # done in stream order on FSDP's all-gather stream: nothing to wait on
 
 
-class SmptkReduceScatter(_ReduceScatterBase):
+class SmptkReduceScatter(_SmptkComm, _ReduceScatterBase):
     """FSDP2 reduce-scatter through :func:`smptk.comm.reduce_scatter_tensor` (``set_custom_reduce_scatter``).
 
     Sum and average run on smptk; any other op FSDP asks for (NCCL's pre-multiplied sum) goes to
     torch.distributed unchanged.
     """
-
-    def __init__(self, max_sms: int | None = None):
-        self.max_sms = max_sms
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

@@ -35,6 +35,12 @@ from smptk.kernels import collectives as K
 from smptk.kernels import runtime
 from smptk.kernels.heap_layout import MAX_PROGRAMS
 
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 # all_reduce "auto": one-shot (each rank reads all W buffers: lowest latency) up to this size, two-shot
@@ -361,13 +367,7 @@ def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> No
         else:
             tensor.floor_divide_(dist.get_world_size(g))
     else:
-        red = {
-            "sum": dist.ReduceOp.SUM,
-            "avg": dist.ReduceOp.AVG,
-            "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN,
-        }
-        dist.all_reduce(tensor, op=red[op], group=g)
+        dist.all_reduce(tensor, op=_TORCH_OPS[op], group=g)
     _fallback(g)
 
 
@@ -490,13 +490,7 @@ def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g:
         world = dist.get_world_size(g)
         output.div_(world) if output.is_floating_point() else output.floor_divide_(world)
     else:
-        red = {
-            "sum": dist.ReduceOp.SUM,
-            "avg": dist.ReduceOp.AVG,
-            "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN,
-        }
-        dist.reduce_scatter_tensor(output, input, op=red[op], group=g)
+        dist.reduce_scatter_tensor(output, input, op=_TORCH_OPS[op], group=g)
     _fallback(g)
 
 
