@@ -38,3 +38,42 @@ def linear_bytes(*, m: int, k: int, n: int, elem: int, bias: bool, backward: boo
     # dy, x and the weights are read; dx, dW (and db) written.
     bwd = m * n + m * k + weights * n * k + m * k + weights * n * k + (n if bias else 0)
     return (fwd + bwd) * elem
+
+
+# Collectives. ``size`` follows nccl-tests (doc/PERFORMANCE.md in NVIDIA/nccl-tests): algbw = size / time,
+# where size is the all-reduce buffer, all-gather's whole output, reduce-scatter's whole input and
+# all-to-all's whole send buffer; busbw = algbw x a factor that makes it comparable with the link's
+# bandwidth whatever the world size. ``peer_bytes`` is what one rank of smptk's kernels reads from its
+# peers' buffers (the traffic that crosses NVLink on a real node).
+COLLECTIVES = ("all_reduce_one_shot", "all_reduce_two_shot", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def collective_counts(kind: str, *, world: int, size_bytes: int) -> dict[str, float | int]:
+    """nccl-tests' size and bus factor, and the peer bytes one rank reads, for a collective of ``size_bytes``.
+
+    ``size_bytes`` is nccl-tests' size: the all-reduce buffer, all-gather's output, reduce-scatter's input,
+    all-to-all's send buffer (equal splits).
+
+    Example::
+
+        >>> collective_counts("all_reduce_two_shot", world=8, size_bytes=1 << 20)
+        {'size_bytes': 1048576, 'busbw_factor': 1.75, 'peer_bytes': 1835008}
+        >>> collective_counts("all_gather", world=8, size_bytes=8 << 20)["peer_bytes"]  # 7 peers x 1 MiB
+        7340032
+    """
+    if kind not in COLLECTIVES:
+        raise ValueError(f"kind: expected one of {COLLECTIVES}, got {kind!r}")
+    if world < 1:
+        raise ValueError(f"world: expected >= 1, got {world}")
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes: expected >= 0, got {size_bytes}")
+    others = (world - 1) / world
+    if kind.startswith("all_reduce"):
+        factor = 2 * others
+        # one-shot: every peer's whole buffer; two-shot: (W-1) slices of 1/W in each of its two phases.
+        peer = (world - 1) * size_bytes if kind == "all_reduce_one_shot" else 2 * others * size_bytes
+    else:
+        factor = others
+        # all-gather / reduce-scatter: (W-1) blocks of size/W; all-to-all: (W-1) of the W segments.
+        peer = others * size_bytes
+    return {"size_bytes": size_bytes, "busbw_factor": factor, "peer_bytes": int(round(peer))}
