@@ -76,4 +76,4 @@ def collective_counts(kind: str, *, world: int, size_bytes: int) -> dict[str, fl
         factor = others
         # all-gather / reduce-scatter: (W-1) blocks of size/W; all-to-all: (W-1) of the W segments.
         peer = others * size_bytes
-    return {"size_bytes": size_bytes, "busbw_factor": factor, "peer_bytes": int(round(peer))}
+    return {"size_bytes": size_bytes, "busbw_factor": factor, "peer_bytes": round(peer)}

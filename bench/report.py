@@ -5,6 +5,13 @@ derived columns are ratios of rows of the same run (speedup = torch_eager median
 = TFLOP/s / torch_matmul TFLOP/s). A missing implementation shows as a dash, never as an estimate.
 The page has no script, no external CSS or font, and the charts are SVG written here.
 
+Collective benchmarks (suites ``comm_simulated`` and ``comm_interference``, see
+``bench/test_bench_comm.py``) get their own part of the page: the rows' ``world_mode`` label in a banner
+(they come from a single-GPU simulated world, not from several GPUs), bandwidth against the SM budget
+(a size x max_sms table of busbw and one chart per collective and size), a detail table, and the GEMM
+slowdown table and chart of the interference benchmark. The comm part is why this file runs past 600
+lines; it shares the formatting, escaping and chart code above.
+
 Usage::
 
     python -m bench.report bench/results/nvidia-h100-80gb-hbm3/2026-11-22-e60bd426.jsonl [-o out.html]
@@ -37,7 +44,7 @@ IMPL_COLORS = {
     "torch_compile": "#3a9a48",
     "torch_matmul": "#7a7a7a",
 }
-_EXTRA_COLORS = ("#8e5ea2", "#e08a1e", "#17a2b8", "#6b4f2a")
+_EXTRA_COLORS = ("#8e5ea2", "#e08a1e", "#17a2b8", "#6b4f2a", "#d35d8e", "#5b8c2a", "#3b4cc0", "#b8860b")
 BASELINE = "torch_eager"
 CEILING = "torch_matmul"
 
@@ -54,6 +61,11 @@ tr.best td { font-weight: 600; }
 .env td { text-align: left; } .muted { color: #777; }
 svg { font-family: inherit; }
 footer { margin-top: 32px; color: #555; font-size: 0.85em; max-width: 900px; }
+footer p { margin: 6px 0; }
+.world { border: 2px solid #b8860b; background: #fff6db; color: #5a4200; padding: 10px 14px;
+         font-weight: 600; margin: 12px 0; }
+.charts { display: flex; flex-wrap: wrap; gap: 8px 20px; } .charts figure { margin: 0; }
+figcaption { font-size: 0.85em; color: #555; text-align: center; }
 """
 
 
@@ -403,6 +415,215 @@ def _not_measured_html(rows: list[dict[str, Any]]) -> str:
     )
 
 
+# ----------------------------------------------------------------------------- collectives
+COMM_SUITES = ("comm_simulated", "comm_interference")
+WORLD_MODE_TEXT = (
+    "Simulated world: one rank's kernel, W buffers in one GPU's memory (one CPU process's in CPU quick "
+    "mode), no peer, no barrier waits; all traffic is local HBM. These numbers are not multi-GPU "
+    "measurements."
+)
+
+
+def _size_text(nbytes: Any) -> str:
+    """``4096`` -> ``4 KiB``, ``1 << 30`` -> ``1 GiB``, ``1500`` -> ``1500 B``."""
+    if not isinstance(nbytes, int):
+        return "—"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _num(row: dict[str, Any], key: str) -> float | None:
+    value = row.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _at_time(row: dict[str, Any], nbytes: float | None, quartile: str) -> float:
+    """GB/s moving ``nbytes`` in the row's ``quartile`` time (q1 gives the high whisker); 0 when absent."""
+    t = (row.get("time_s") or {}).get(quartile)
+    return nbytes / t / 1e9 if nbytes and isinstance(t, (int, float)) and t > 0 else 0.0
+
+
+def _check_text(check: Any) -> str:
+    if not isinstance(check, dict):
+        return "—"
+    if check.get("exact"):
+        return f"exact ({check.get('mismatches')} of {check.get('elements')} differ)"
+    return _fmt(check.get("max_abs_err"), 2)
+
+
+def _world_banner(rows: list[dict[str, Any]]) -> str:
+    labels = sorted({str(r["world_mode"]) for r in rows if r.get("world_mode")})
+    return f'<p class="world">{_esc(WORLD_MODE_TEXT)}</p>' + "".join(
+        f'<p class="world">world_mode: {_esc(label)}</p>' for label in labels
+    )
+
+
+def _latest(rows: list[dict[str, Any]], key: Any) -> dict[Any, dict[str, Any]]:
+    """Rows keyed by ``key(row)``, the last one winning (a re-run of a case in the same file)."""
+    out: dict[Any, dict[str, Any]] = {}
+    for r in rows:
+        out[key(r)] = r
+    return out
+
+
+def _simulated_section(group: list[dict[str, Any]]) -> str:
+    first = group[0]
+    by_case = _latest(group, lambda r: (r.get("size_bytes"), r.get("max_sms")))
+    sizes = sorted({s for s, _ in by_case if isinstance(s, int)})
+    sms = sorted({k for _, k in by_case if isinstance(k, int)})
+    pivot = "".join(
+        f"<tr><td class='l'>{_esc(_size_text(size))}</td>"
+        + "".join(
+            f"<td>{_fmt(_num(by_case[(size, k)], 'busbw_gbps')) if (size, k) in by_case else '—'}</td>"
+            for k in sms
+        )
+        + "</tr>"
+        for size in sizes
+    )
+    pivot_head = (
+        "<tr><th class='l'>size</th>" + "".join(f"<th>{k} SM{'s' * (k != 1)}</th>" for k in sms) + "</tr>"
+    )
+    charts = []
+    for size in sizes:
+        groups, values = [], {}
+        for k in sms:
+            r = by_case.get((size, k))
+            if r is None:
+                continue
+            group_label = f"{k} SM{'s' * (k != 1)}"
+            groups.append(group_label)
+            size_b, peer_b = _num(r, "size_bytes"), _num(r, "peer_bytes")
+            factor = _num(r, "busbw_factor") or 0.0
+            for series, nbytes, value in (
+                ("busbw", (size_b or 0.0) * factor, _num(r, "busbw_gbps")),
+                ("peer", peer_b, _num(r, "peer_gbps")),
+            ):
+                if value is not None:
+                    values[(group_label, series)] = (
+                        value,
+                        _at_time(r, nbytes, "q3"),
+                        _at_time(r, nbytes, "q1"),
+                    )
+        svg = svg_bar_chart(groups, ["busbw", "peer"], values, unit="GB/s")
+        charts.append(f"<figure>{svg}<figcaption>{_esc(first.get('op'))}, {_esc(_size_text(size))}"
+                      "</figcaption></figure>")  # fmt: skip
+    detail = []
+    for (size, k), r in sorted(by_case.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0)):
+        t = r.get("time_s") or {}
+        med = _median_s(r)
+        rel = t.get("iqr_rel")
+        detail.append(
+            f"<tr><td class='l'>{_esc(_size_text(size))}</td><td>{_esc(k)}</td>"
+            f"<td>{_fmt(med * 1e6 if med else None)}</td>"
+            f"<td>{_fmt(100 * rel, 2) + '%' if isinstance(rel, (int, float)) else '—'}</td>"
+            f"<td>{_fmt(_num(r, 'algbw_gbps'))}</td><td>{_fmt(_num(r, 'busbw_gbps'))}</td>"
+            f"<td>{_esc(r.get('peer_bytes'))}</td><td>{_fmt(_num(r, 'peer_gbps'))}</td>"
+            f"<td>{_esc(r.get('rounds'))}{' (capped)' if r.get('rounds_capped') else ''}</td>"
+            f"<td class='l'>{_esc(_check_text(r.get('check')))}</td>"
+            f"<td class='l muted'>{_esc(r.get('kernel_path'))}</td></tr>"
+        )
+    detail_head = (
+        "<tr><th class='l'>size</th><th>max_sms</th><th>median µs</th><th>IQR % of median</th>"
+        "<th>algbw GB/s</th><th>busbw GB/s</th><th>peer bytes</th><th>peer GB/s</th><th>rounds</th>"
+        "<th class='l'>check</th><th class='l'>path</th></tr>"
+    )
+    return (
+        f"<section><h2>{_esc(first.get('op'))} — W={_esc(first.get('world'))} — {_esc(first.get('dtype'))} "
+        f'<span class="muted">(comm_simulated)</span></h2>'
+        f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
+        f"<p>busbw GB/s (nccl-tests definition) against the SM budget:</p>"
+        f"<table>{pivot_head}{pivot}</table><div class='charts'>{''.join(charts)}</div>"
+        f"<table>{detail_head}{''.join(detail)}</table></section>"
+    )
+
+
+def _interference_section(group: list[dict[str, Any]]) -> str:
+    first = group[0]
+    by_case = _latest(group, lambda r: (str(r.get("op")), r.get("max_sms")))
+    ops = sorted({op for op, _ in by_case})
+    sms = sorted({k for _, k in by_case if isinstance(k, int)})
+    values, body = {}, []
+    for (op, k), r in sorted(by_case.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        alone = (r.get("gemm_alone_s") or {}).get("median")
+        conc = r.get("time_s") or {}
+        slowdown, bound, met = _num(r, "slowdown"), _num(r, "slowdown_bound"), r.get("bound_met")
+        group_label = f"{k} SM{'s' * (k != 1)}"
+        if slowdown is not None and isinstance(alone, (int, float)) and alone > 0:
+            lo, hi = conc.get("q1"), conc.get("q3")
+            values[(group_label, op)] = (
+                slowdown,
+                lo / alone if isinstance(lo, (int, float)) else slowdown,
+                hi / alone if isinstance(hi, (int, float)) else slowdown,
+            )
+        overlap = _num(r, "collective_overlap_peer_gbps")
+        body.append(
+            f"<tr><td class='l'>{_esc(op)}</td><td>{_esc(k)}</td>"
+            f"<td>{_fmt(alone * 1e3 if isinstance(alone, (int, float)) else None)}</td>"
+            f"<td>{_fmt(_median_s(r) * 1e3 if _median_s(r) else None)}</td>"
+            f"<td>{_fmt(slowdown, 4) + '×' if slowdown is not None else '—'}</td>"
+            f"<td>{_fmt(bound, 4) + '×' if bound is not None else '—'}</td>"
+            f"<td>{ {True: 'yes', False: 'NO'}.get(met, '—') }</td>"
+            f"<td>{_fmt(_num(r, 'collective_alone_peer_gbps'))}</td>"
+            f"<td>{_fmt(overlap)}</td>"
+            f"<td>{_esc(r.get('collective_calls_per_round', '—'))}</td>"
+            f"<td class='l muted'>{_esc(r.get('concurrency'))}</td></tr>"
+        )
+    head = (
+        "<tr><th class='l'>collective</th><th>max_sms</th><th>GEMM alone ms</th><th>GEMM concurrent ms</th>"
+        "<th>slowdown</th><th>target bound 1 + 1.2·k/SMs</th><th>bound met</th>"
+        "<th>collective alone peer GB/s</th><th>collective peer GB/s during GEMM</th>"
+        "<th>calls per round</th><th class='l'>concurrency</th></tr>"
+    )
+    groups = [f"{k} SM{'s' * (k != 1)}" for k in sms]
+    chart = svg_bar_chart(groups, ops, values, unit="GEMM slowdown (×)")
+    why: dict[str, list[str]] = {}  # note -> the cases it explains
+    for (op, k), r in sorted(by_case.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        if r.get("overlap_gbps_note"):
+            why.setdefault(str(r["overlap_gbps_note"]), []).append(f"{op} at {k} SM{'s' * (k != 1)}")
+    notes_html = "".join(
+        f"<p class='muted'>No collective GB/s during the GEMM for {_esc(', '.join(cases))}: {_esc(note)}</p>"
+        for note, cases in why.items()
+    )
+    return (
+        f"<section><h2>GEMM {_esc(_shape_label(first.get('shape')))} beside a collective of "
+        f"{_esc(_size_text(first.get('size_bytes')))} — W={_esc(first.get('world'))} — "
+        f'{_esc(first.get("dtype"))} <span class="muted">(comm_interference)</span></h2>'
+        f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
+        f"{chart}<table>{head}{''.join(body)}</table>{notes_html}</section>"
+    )
+
+
+def _comm_html(rows: list[dict[str, Any]]) -> str:
+    """The collectives' part of the page: banner, bandwidth against SM budget, interference."""
+    if not rows:
+        return ""
+    parts = ["<h2>Collectives (simulated world)</h2>", _world_banner(rows)]
+    simulated: dict[tuple, list[dict[str, Any]]] = {}
+    interference: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("suite") == "comm_simulated":
+            simulated.setdefault((str(r.get("op")), r.get("world"), str(r.get("dtype"))), []).append(r)
+        else:
+            key = (r.get("world"), r.get("size_bytes"), _shape_label(r.get("shape")), str(r.get("dtype")))
+            interference.setdefault(key, []).append(r)
+    parts.extend(_simulated_section(g) for g in simulated.values())
+    parts.extend(_interference_section(g) for g in interference.values())
+    return "".join(parts)
+
+
+_COMM_FOOTER = (
+    "Collectives: every number comes from a single-GPU simulated world (one rank's kernel, W buffers in "
+    "one GPU's memory, no peer, no barrier waits, all traffic local HBM); they are not multi-GPU "
+    "measurements. size is nccl-tests' size (all-reduce buffer, all-gather output, reduce-scatter input, "
+    "all-to-all send buffer); algbw = size / median time; busbw = algbw × 2(W-1)/W for all-reduce and "
+    "× (W-1)/W otherwise; peer GB/s = bytes one rank reads from its peers' buffers / median time. Chart "
+    "whiskers are the same quantities at the first and third quartile times. Interference: slowdown = "
+    "median GEMM time beside the collective / median GEMM time alone, both measured in the same run."
+)
+
+
 _FOOTER = (
     "Times are medians over rounds of GPU time between two CUDA events (host clock in CPU quick mode), "
     "with the L2 cache flushed before every round by writing a buffer larger than it. Spread is the "
@@ -423,7 +644,9 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
         True
     """
     rows = list(rows)
-    measured = [r for r in rows if r.get("kind") == "measurement"]
+    measured_all = [r for r in rows if r.get("kind") == "measurement"]
+    comm = [r for r in measured_all if r.get("suite") in COMM_SUITES]
+    measured = [r for r in measured_all if r.get("suite") not in COMM_SUITES]
     sections: dict[tuple, list[dict]] = {}
     for r in measured:
         sections.setdefault(_section_key(r), []).append(r)
@@ -440,15 +663,17 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
         f"<h1>{_esc(title)}</h1><p class='meta'>{_esc(meta)}</p>",
         *(f"<p class='note'>{_esc(n)}</p>" for n in notes),
     ]
-    if not measured:
+    if not measured_all:
         parts.append("<p>No measurements in this file.</p>")
-    else:
+    if measured:
         parts.append(_summary_html(measured, sections))
         parts.extend(_section_html(measured, key, section) for key, section in sections.items())
+    parts.append(_comm_html(comm))
     parts.append(_not_measured_html(rows))
     if rows:
         parts.append(_env_html(rows))
-    parts.append(f"<footer>{_esc(_FOOTER)}</footer></body></html>")
+    footer = f"<p>{_esc(_FOOTER)}</p>" + (f"<p>{_esc(_COMM_FOOTER)}</p>" if comm else "")
+    parts.append(f"<footer>{footer}</footer></body></html>")
     return "\n".join(parts)
 
 

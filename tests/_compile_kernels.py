@@ -428,6 +428,8 @@ def _collective_variants(arch: int, block: int, ops: dict[str, int], params: dic
                     types.update({t: "*i64" for t in ("data_W", "signal_W", *tables)})
                     types["status_ptr"] = "*i32"
                     types["timeout_ns"] = "i64"  # default timeout 300 s = 3e11 ns
+                    if mode != "simulated":  # simulated launches leave the call words at their default 0
+                        types["call_tag"] = "i64"  # bit 62 set: always an int64 (see smptk.comm)
                     if mode == "i32_timeout-i64_sizes":
                         types["timeout_ns"] = "i32"
                         types.update({s: "i64" for s in _COLL_SIZES[name]})

@@ -573,6 +573,91 @@ def case_missing_rank(c: Case, world: int, rank: int, *, max_sms: int) -> None:
     c.equal("after reset()", y, torch.full((8,), float(sum(range(world)))))
 
 
+# ------------------------------------------------------------------------- calls that differ across ranks
+
+MISMATCH_LIMIT_S = 10.0  # a mismatch must be reported this fast: far below JOB_TIMEOUT_S, so not by timeout
+MISMATCHES = (
+    "dtype",
+    "numel",
+    "op",
+    "algorithm",
+    "more_programs",
+    "fewer_programs",
+    "collective",
+    "reduce_scatter_numel",
+    "all_gather_numel",
+    "all_to_all_programs",
+)
+
+
+def _mismatched_call(kind: str, world: int, odd: bool) -> Callable[[], object]:
+    """What the ranks call in mismatch case ``kind``: rank W-1 (``odd``) differs from the others once."""
+    n = 8
+    if kind == "dtype":
+        return lambda: comm.all_reduce(torch.ones(n, dtype=torch.float16 if odd else torch.float32))
+    if kind == "numel":
+        return lambda: comm.all_reduce(torch.ones(n + odd))
+    if kind == "op":
+        return lambda: comm.all_reduce(torch.ones(n), op="max" if odd else "sum")
+    if kind == "algorithm":
+        return lambda: comm.all_reduce(torch.ones(n), algorithm="two_shot" if odd else "one_shot")
+    if kind in ("more_programs", "fewer_programs"):
+        sms = 3 if odd == (kind == "more_programs") else 1
+        return lambda: comm.all_reduce(torch.ones(n), max_sms=sms)
+    if kind == "collective":
+        if odd:
+            return lambda: comm.all_gather_into_tensor(torch.empty(world * n), torch.ones(n))
+        return lambda: comm.all_reduce(torch.ones(n))
+    if kind == "reduce_scatter_numel":
+        m = n + odd
+        return lambda: comm.reduce_scatter_tensor(torch.empty(m), torch.ones(world * m))
+    if kind == "all_gather_numel":
+        m = n + odd
+        return lambda: comm.all_gather_into_tensor(torch.empty(world * m), torch.ones(m))
+    if kind == "all_to_all_programs":
+        return lambda: comm.all_to_all_single(
+            torch.empty(world * 2), torch.ones(world * 2), max_sms=2 if odd else 1
+        )
+    raise ValueError(kind)
+
+
+def case_mismatch(c: Case, world: int, rank: int, *, kind: str) -> None:
+    """Rank W-1 makes a different call (one argument differs) from the others.
+
+    Every rank: CommMismatchError within MISMATCH_LIMIT_S (not a timeout), naming exactly the ranks whose
+    call differed from its own ([W-1] on the others, all the others on rank W-1) and describing both
+    calls; then CommError at once on the broken heap; reset() on every rank makes the group work again.
+    """
+    odd = rank == world - 1
+    expected = list(range(world - 1)) if odd else [world - 1]
+    warm = torch.ones(4)
+    comm.all_reduce(warm)  # every rank has the heap and has made the same calls so far
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        _mismatched_call(kind, world, odd)()
+        c.fail("the mismatched call returned")
+    except comm.CommMismatchError as e:
+        took = time.monotonic() - start
+        if e.ranks != expected:
+            c.fail(f"ranks = {e.ranks}, expected {expected} (message: {e})")
+        if "collective calls differ" not in str(e) or f"rank {expected[0]} made call #" not in str(e):
+            c.fail(f"message does not describe the calls: {e}")
+        if took > MISMATCH_LIMIT_S:
+            c.fail(f"reported after {took:.1f} s (limit {MISMATCH_LIMIT_S} s)")
+    except Exception as e:
+        c.fail(f"raised {type(e).__name__} instead of CommMismatchError: {e}")
+    problem = expect_raises(lambda: comm.all_reduce(torch.ones(4)), comm.CommError, "call smptk.comm.reset()")
+    if problem:
+        c.fail(f"all_reduce on the broken heap: {problem}")
+    dist.barrier()
+    comm.reset()
+    y = torch.full((5,), float(rank))
+    comm.all_reduce(y)
+    c.path("after reset()", "symmetric")
+    c.equal("after reset()", y, torch.full((5,), float(sum(range(world)))))
+
+
 # ------------------------------------------------------------------------------------------- catalog
 
 
@@ -655,16 +740,21 @@ def catalog(world: int) -> list[Spec]:
     add("fallback-float64", case_fallback, which="float64")
     add("fallback-int32_avg", case_fallback, which="int32_avg")
     # Last: these break the heap on purpose (then reset and rebuild it).
+    for kind in MISMATCHES:
+        add(f"mismatch-{kind}", case_mismatch, kind=kind)
     add("missing_rank-max_sms1", case_missing_rank, max_sms=1)
     add("missing_rank-max_sms3", case_missing_rank, max_sms=3)
     return specs
 
 
-def run_job(rank: int, world: int) -> dict[str, str | None]:
-    """The spawned ranks' target: run every case of ``catalog(world)``; {case id: None or failures}."""
+def run_job(rank: int, world: int, families: tuple[str, ...] | None = None) -> dict[str, str | None]:
+    """The spawned ranks' target: run every case of ``catalog(world)`` (or of these case families, to
+    debug one: ``run_ranks("comm_jobs:run_job", 2, args=(("mismatch",),))``); {case id: None or failures}."""
     comm.configure(max_sms=JOB_MAX_SMS, timeout_s=JOB_TIMEOUT_S, heap_bytes=HEAP_BYTES)
     outcomes: dict[str, str | None] = {}
     for spec in catalog(world):
+        if families is not None and spec.family not in families:
+            continue
         c = Case(spec.cid, [])
         try:
             spec.fn(c, world, rank, **spec.kwargs)

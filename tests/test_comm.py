@@ -15,9 +15,8 @@ in this process (FileStore) for ``last_path``, the four collectives at world siz
 Known smptk bugs are ``xfail(strict=True)`` with the bug in the reason, so fixing one turns its test into
 an XPASS failure that asks for the marker to go.
 
-Not tested here (no way to from inside one machine's CPU ranks, or not detected yet by smptk): arguments
-that differ across ranks (e.g. a different numel on one rank), CUDA tensors and the "cuda" heap, groups
-spanning machines.
+Not tested here (no way to from inside one machine's CPU ranks): CUDA tensors and the "cuda" heap,
+groups spanning machines.
 """
 
 from __future__ import annotations
@@ -138,6 +137,13 @@ def test_bad_input_raises_on_every_rank(world: int, cid: str) -> None:
 def test_rank_that_never_calls(world: int, cid: str) -> None:
     """CommTimeoutError naming exactly the skipping rank within [timeout_s, 2 timeout_s]; then CommError
     at once on the broken heap and from check(); reset() on every rank makes the group work again."""
+    assert_case(world, cid)
+
+
+@pytest.mark.parametrize(("world", "cid"), cases("mismatch"))
+def test_calls_that_differ_between_ranks(world: int, cid: str) -> None:
+    """One rank's call differs (dtype, numel, op, algorithm, max_sms, collective): CommMismatchError on
+    every rank within seconds, naming the ranks and both calls; CommError until reset(); then usable."""
     assert_case(world, cid)
 
 

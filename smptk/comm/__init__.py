@@ -7,7 +7,9 @@ Same call shapes as torch.distributed; ``max_sms`` bounds the SMs (programs) a c
 - :func:`configure` / :func:`settings` (``max_sms``, ``timeout_s``, ``heap_bytes``; environment variables
   SMPTK_COMM_MAX_SMS, SMPTK_COMM_TIMEOUT_S, SMPTK_COMM_HEAP_BYTES), :func:`last_path`, :func:`reset`,
   :func:`check`.
-- :class:`CommTimeoutError` when a peer never arrives; :class:`CommError` for an unusable heap.
+- :class:`CommTimeoutError` when a peer never arrives; :class:`CommMismatchError` when ranks make
+  different calls (collective, dtype, size, op, algorithm or max_sms); :class:`CommError`
+  for an unusable heap.
 
 The symmetric heap (:mod:`smptk.comm.heap`) uses torch symmetric memory on CUDA and POSIX shared memory
 on CPU, where the same Triton kernels run under ``TRITON_INTERPRET=1``.
@@ -15,6 +17,7 @@ on CPU, where the same Triton kernels run under ``TRITON_INTERPRET=1``.
 
 from smptk.comm.collectives import (
     CommError,
+    CommMismatchError,
     CommTimeoutError,
     all_gather_into_tensor,
     all_reduce,
@@ -29,6 +32,7 @@ from smptk.comm.collectives import (
 
 __all__ = [
     "CommError",
+    "CommMismatchError",
     "CommTimeoutError",
     "all_gather_into_tensor",
     "all_reduce",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from smptk.comm.heap import HeapUnavailable, SymmetricHeap
 from smptk.kernels import collectives as K
 from smptk.kernels import runtime
-from smptk.kernels.heap_layout import MAX_PROGRAMS
+from smptk.kernels.heap_layout import CALL_OFFSET, MAX_PROGRAMS, SEEN_OFFSET
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -58,6 +58,15 @@ class CommTimeoutError(CommError):
     def __init__(self, message: str, missing_ranks: list[int]):
         super().__init__(message)
         self.missing_ranks = missing_ranks
+
+
+class CommMismatchError(CommError):
+    """Ranks made different calls (collective, dtype, size, op, algorithm or max_sms, or calls out of
+    step with each other); ``ranks`` names the group ranks whose call differed from this rank's."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
 
 
 @dataclasses.dataclass
@@ -242,8 +251,58 @@ def _acc_type(dtype: torch.dtype):
     return tl.int32 if dtype == torch.int32 else tl.float32
 
 
-def _launch(heap: SymmetricHeap, kernel, programs: int, *args, **meta) -> None:
-    """Run one collective kernel with a bounded wait; raise CommTimeoutError if a peer never arrived."""
+# A call's tag: its sequence number on the heap << K.SEQ_SHIFT | kind (3 bits) | op + 1 (3) | dtype (3) |
+# programs (9 bits, from bit 9). With the numel and chunk words it is what ranks compare (see K._verify).
+_KIND_CODES = {"all_reduce_one_shot": 1, "all_reduce_two_shot": 2, "all_gather": 3, "reduce_scatter": 4}
+_KIND_CODES["all_to_all"] = 5
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}
+_TAG_MARK = 1 << 62
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What one kernel launch does, as every rank of the group must agree on it.
+
+    ``numel``: the whole message (all_reduce: the tensor; all_gather: the input; reduce_scatter: the
+    output; all_to_all: the number of rounds, since splits differ between ranks); ``chunk``: this
+    launch's elements (all_to_all: the slot size).
+    """
+
+    kind: str
+    dtype: torch.dtype
+    op: int  # K.OPS code, -1 for collectives without one
+    numel: int
+    chunk: int
+
+    def tag(self, seq: int, programs: int) -> int:
+        meta = _KIND_CODES[self.kind] | (self.op + 1) << 3 | _DTYPE_CODES[self.dtype] << 6 | programs << 9
+        # Bit 62 keeps every tag an int64 argument: a tag that fitted in 32 bits for the first calls
+        # would make Triton compile the kernel a second time once the sequence number grew.
+        return _TAG_MARK | seq << K.SEQ_SHIFT | meta
+
+
+def _describe_call(tag: int, numel: int, chunk: int) -> str:
+    """Human-readable announcement words (the inverse of :meth:`_Call.tag`)."""
+    if tag == 0:
+        return "no call"
+    kinds = {v: k for k, v in _KIND_CODES.items()}
+    dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+    ops = {v + 1: k for k, v in K.OPS.items()}
+    kind = kinds.get(tag & 7, "?")
+    parts = [f"call #{(tag & ~_TAG_MARK) >> K.SEQ_SHIFT}: {kind}", dtypes.get(tag >> 6 & 7, "?")]
+    if tag >> 3 & 7:
+        parts.append(f"op={ops.get(tag >> 3 & 7, '?')}")
+    parts.append(f"max_sms={tag >> 9 & 511}")
+    parts.append(f"rounds={numel}, slot={chunk}" if kind == "all_to_all" else f"numel={numel}, chunk={chunk}")
+    return " ".join(parts[:2]) + " (" + ", ".join(parts[2:]) + ")"
+
+
+def _launch(heap: SymmetricHeap, kernel, programs: int, *args, call: _Call, **meta) -> None:
+    """Run one collective kernel with a bounded wait and the cross-rank call check.
+
+    Raises CommMismatchError when a peer's call differs and CommTimeoutError when a peer never arrived
+    (checked here on CPU; on CUDA at :func:`check` or with SMPTK_COMM_SYNC_CHECK=1).
+    """
     global _last_path
     if heap.broken is not None:
         raise CommError(
@@ -259,7 +318,17 @@ def _launch(heap: SymmetricHeap, kernel, programs: int, *args, **meta) -> None:
         timer.daemon = True
         timer.start()
     try:
-        kernel[(programs,)](*args, int(timeout_s * 1e9), BLOCK=block, USE_CLOCK=not interpreted, **meta)
+        heap.calls += 1
+        kernel[(programs,)](
+            *args,
+            int(timeout_s * 1e9),
+            BLOCK=block,
+            USE_CLOCK=not interpreted,
+            call_tag=call.tag(heap.calls, programs),
+            call_numel=call.numel,
+            call_chunk=call.chunk,
+            **meta,
+        )
     finally:
         if timer is not None:
             timer.cancel()
@@ -275,7 +344,20 @@ def _sync_checks() -> bool:
 
 def _raise_on_status(heap: SymmetricHeap, timeout_s: float) -> None:
     status = heap.status.cpu()
-    missing = [q for q in range(heap.world_size) if int(status[q]) != 0]
+    world = heap.world_size
+    differ = [q for q in range(world) if int(status[world + q]) != 0]
+    if differ:
+        own = heap.local[CALL_OFFSET : CALL_OFFSET + 24].view(torch.int64).tolist()
+        seen = heap.local[SEEN_OFFSET : SEEN_OFFSET + 24 * world].view(torch.int64).view(world, 3).tolist()
+        theirs = "; ".join(f"rank {q} made {_describe_call(*seen[q])}" for q in differ)
+        heap.broken = f"ranks {differ} made a different call"
+        raise CommMismatchError(
+            f"rank {heap.rank}: collective calls differ between ranks: this rank made "
+            f"{_describe_call(*own)}; {theirs}. Every rank must make the same calls with the same dtype, "
+            "size, op, algorithm and max_sms; the heap is now marked broken (smptk.comm.reset())",
+            differ,
+        )
+    missing = [q for q in range(world) if int(status[q]) != 0]
     if missing:
         heap.broken = f"ranks {missing} did not arrive within {timeout_s:g} s"
         raise CommTimeoutError(
@@ -345,13 +427,12 @@ def all_reduce(
         part = flat[c0 : c0 + chunk]
         n = part.numel()
         common = (heap.data_ptrs, heap.signal_ptrs, heap.status, heap.rank, world, n)
+        call = _Call(f"all_reduce_{algorithm}", tensor.dtype, code, flat.numel(), n)
         if algorithm == "one_shot":
-            _launch(heap, K._all_reduce_one_shot_kernel, programs, part, part, *common, OP=code, ACC=acc)
+            kernel, extra = K._all_reduce_one_shot_kernel, ()
         else:
-            slice_n = -(-n // world)
-            _launch(
-                heap, K._all_reduce_two_shot_kernel, programs, part, part, *common, slice_n, OP=code, ACC=acc
-            )
+            kernel, extra = K._all_reduce_two_shot_kernel, (-(-n // world),)  # slice_n
+        _launch(heap, kernel, programs, part, part, *common, *extra, call=call, OP=code, ACC=acc)
     if flat.numel() == 0:
         global _last_path
         _last_path = "symmetric"
@@ -422,6 +503,7 @@ def all_gather_into_tensor(
             world,
             n,
             n_total,
+            call=_Call("all_gather", input.dtype, -1, n_total, n),
         )
     return output
 
@@ -478,6 +560,7 @@ def reduce_scatter_tensor(
             world,
             n,
             n_total,
+            call=_Call("reduce_scatter", input.dtype, code, n_total, n),
             OP=code,
             ACC=acc,
         )
@@ -568,7 +651,8 @@ def all_to_all_single(
     all_reduce(rounds, op="max", group=g, max_sms=1)  # every rank runs the same number of rounds
     dev = input.device
     src, dst = input.view(-1), output.view(-1)
-    for c in range(int(rounds.item())):
+    n_rounds = int(rounds.item())
+    for c in range(n_rounds):
         lo = c * slot
         in_off, in_n = _window(in_len, in_start, lo, slot, dev)
         out_off, out_n = _window(out_len, out_start, lo, slot, dev)
@@ -588,5 +672,6 @@ def all_to_all_single(
             heap.rank,
             world,
             slot,
+            call=_Call("all_to_all", input.dtype, -1, n_rounds, slot),
         )
     return output

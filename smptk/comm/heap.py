@@ -57,8 +57,11 @@ class SymmetricHeap:
             every rank's data region and signal pad.
         local: uint8 tensor over this rank's whole segment (signal pad, control words, data).
         status: int32 ``[2 * world]`` on the kernels' device; kernels set ``status[q] = 1`` when rank q
-            never arrived at a barrier in time.
+            never arrived at a barrier in time and ``status[world + q] = 1`` when rank q's call had
+            other arguments than this rank's.
         broken: a reason string once a collective failed mid-flight (signal pads are then inconsistent).
+        calls: kernel launches on this heap so far; every rank counts the same calls, so the count is
+            the sequence number that the kernels compare across ranks (see ``smptk.comm.collectives``).
     """
 
     backend: str
@@ -71,6 +74,7 @@ class SymmetricHeap:
     status: torch.Tensor
     device: torch.device
     broken: str | None = None
+    calls: int = 0  # symmetric launches so far: the sequence number in each call's announcement
     _keepalive: list = field(default_factory=list, repr=False)
 
     @staticmethod

@@ -4,7 +4,10 @@ Lives in the kernels layer (imports go kernels <- comm) and imports nothing, so 
 without touching Triton. Per rank, in bytes::
 
     [0, SIGNAL_BYTES)                       int32 [MAX_PROGRAMS, MAX_WORLD] barrier slots
-    [SIGNAL_BYTES, +CONTROL_BYTES)          control words; int32 abort flag at ABORT_OFFSET
+    [SIGNAL_BYTES, +CONTROL_BYTES)          control words:
+        ABORT_OFFSET                        int32 abort flag (set by the host watchdog)
+        CALL_OFFSET                         int64 [3] this rank's current call (tag, numel, chunk)
+        SEEN_OFFSET                         int64 [MAX_WORLD, 3] peers' calls that differed from ours
     [DATA_OFFSET, DATA_OFFSET + heap_bytes) data region (the collectives' staging buffer)
 """
 
@@ -13,4 +16,7 @@ MAX_WORLD = 64  # ranks per heap: one 8-GPU node with room for larger NVLink dom
 SIGNAL_BYTES = MAX_PROGRAMS * MAX_WORLD * 4
 CONTROL_BYTES = 4096
 ABORT_OFFSET = SIGNAL_BYTES
+CALL_OFFSET = SIGNAL_BYTES + 64  # 8-byte aligned; three int64 words
+SEEN_OFFSET = SIGNAL_BYTES + 128  # MAX_WORLD x 3 int64 words = 1536 bytes, ends well inside CONTROL_BYTES
+CALL_WORDS = 3
 DATA_OFFSET = SIGNAL_BYTES + CONTROL_BYTES
