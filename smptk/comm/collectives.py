@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -88,7 +89,12 @@ def _env_number(name: str, default: float, kind: type) -> float:
 
 
 _settings: _Settings | None = None
-_heaps: dict[tuple[int, str], SymmetricHeap | None] = {}
+# Per group, per backend ("cpu"/"cuda"): the heap, or None where none can be built. Keyed weakly by the
+# group object: a destroyed group's heap goes with it, and a new group never finds a stale heap (an
+# id() key could be reused by a later group; a group name is reused after destroy_process_group()).
+_heaps: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, SymmetricHeap | None]] = (
+    weakref.WeakKeyDictionary()
+)
 _last_path: str | None = None
 
 
@@ -159,10 +165,11 @@ def reset(group: dist.ProcessGroup | None = None) -> None:
 
     The next symmetric call on the group builds a new heap, collectively.
     """
-    for key in [k for k in _heaps if group is None or k[0] == id(group)]:
-        heap = _heaps.pop(key)
-        if heap is not None:
-            heap.close()
+    groups = list(_heaps.keys()) if group is None else [group]
+    for g in groups:
+        for heap in (_heaps.pop(g, None) or {}).values():
+            if heap is not None:
+                heap.close()
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -191,13 +198,13 @@ def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | Non
         return None
     if not runtime.triton_available():
         return None
-    key = (id(group), backend)
-    if key not in _heaps:
+    per_group = _heaps.setdefault(group, {})
+    if backend not in per_group:
         try:
-            _heaps[key] = SymmetricHeap.create(group, _current().heap_bytes, backend)
+            per_group[backend] = SymmetricHeap.create(group, _current().heap_bytes, backend)
         except HeapUnavailable:
-            _heaps[key] = None
-    return _heaps[key]
+            per_group[backend] = None
+    return per_group[backend]
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -374,8 +381,8 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     timeout surfaces here or, with SMPTK_COMM_SYNC_CHECK=1, at the end of every call.
     """
     g = _group(group)
-    for (gid, _), heap in list(_heaps.items()):
-        if gid == id(g) and heap is not None:
+    for heap in list(_heaps.get(g, {}).values()):
+        if heap is not None:
             if heap.status.is_cuda:
                 torch.cuda.synchronize(heap.device)
             _raise_on_status(heap, _current().timeout_s)
