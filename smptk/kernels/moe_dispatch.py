@@ -1,0 +1,868 @@
+"""moe_dispatch / moe_combine: group the (token, slot) pairs of a top-k routing by expert, and undo it.
+
+Legend: T tokens, H hidden size, E experts, k slots per token (top_k), P = T * k pairs numbered
+``p = t * k + j`` (token t, slot j), R rows of the grouped buffer (the pairs kept), C the capacity.
+
+Shapes: x ``[T, H]`` (any float dtype, any strides), expert_ids ``[T, k]`` int32/int64 (from
+:func:`smptk.kernels.moe_route`), x_grouped ``[R, H]`` in x's dtype; y ``[R, H]`` (the experts' outputs, same
+row order), weights ``[T, k]`` (any float dtype), out ``[T, H]`` in y's dtype.
+
+What it computes. Pairs are grouped by expert **stably**: inside one expert's rows the pairs keep their
+order ``p``, so with a capacity the earliest tokens win. With ``capacity_factor`` each expert keeps at most
+``C = ceil(capacity_factor * T * k / E)`` pairs (exact rational arithmetic on the float given) and drops the
+pairs whose position inside their expert is ``>= C``. Then ``x_grouped[dest[t, j]] = x[t]`` for every kept
+pair, and ``moe_combine`` returns ``out[t] = sum_j weights[t, j] * y[dest[t, j]]`` over the kept pairs (a
+dropped pair contributes nothing; a token with every pair dropped gets a zero row).
+
+Worked example, 4 tokens, E = 3, k = 2 (p = 2t + j; ``expert_ids`` as :func:`moe_route` returns them)::
+
+    expert_ids        = [[0, 2], [2, 1], [0, 1], [2, 0]]     pairs p0..p7 -> experts 0 2 2 1 0 1 2 0
+    tokens_per_expert = [3, 2, 3]                            expert 0: p0 p4 p7, 1: p3 p5, 2: p1 p2 p6
+    offsets           = [0, 3, 5, 8]                         expert e owns rows offsets[e]:offsets[e+1]
+    source_pair       = [0, 4, 7, 3, 5, 1, 2, 6]             the pair in each grouped row
+    source_token      = [0, 2, 3, 1, 2, 0, 1, 3]             = source_pair // k
+    dest              = [[0, 5], [6, 3], [1, 4], [7, 2]]     the row each pair went to
+
+    capacity_factor=0.5 -> C = ceil(0.5 * 4 * 2 / 3) = 2: p7 (expert 0's third) and p6 (expert 2's third)
+    are dropped; tokens_per_expert = [2, 2, 2], offsets = [0, 2, 4, 6], source_token = [0, 2, 1, 2, 0, 1],
+    dest = [[0, 4], [5, 2], [1, 3], [-1, -1]], num_dropped = 2, and combine gives token 3 a zero row.
+
+Algorithm (no sort; four small launches for the plan and the gather, all Triton):
+
+1. ``_dispatch_hist_kernel``: each program takes ``PAIRS_PER_PROG`` consecutive pairs and writes their
+   per-expert histogram (a one-hot ``[BLOCK_P, BLOCK_E]`` summed over pairs) to ``hist [num_progs, E]``,
+   plus its count of out-of-range ids.
+2. ``_dispatch_scan_kernel`` (one program): exclusive scan of ``hist`` over programs -> ``base [num_progs,
+   E]`` (how many of expert e's pairs come before program b), totals -> kept counts ``min(count, C)`` ->
+   ``offsets`` (exclusive scan over experts) and a 2-element summary (rows kept, bad ids).
+3. ``_dispatch_scatter_kernel``: each program re-reads its pairs; the position of a pair inside its expert
+   is ``base[b, e]`` + the pairs of e before it in the program (a running count across chunks plus the
+   in-chunk inclusive cumsum of the one-hot, minus one). Kept pairs get ``dest = offsets[e] + position``
+   and write ``source_token`` / ``source_pair`` at that row; dropped ones get ``dest = -1``.
+4. ``_gather_rows_kernel``: ``x_grouped[r] = x[source_token[r]]``, one program per row tile (every row
+   written exactly once, contiguous stores).
+
+Host syncs. Without ``capacity_factor`` R = T * k is known up front and the CUDA path reads nothing back.
+With it, R (the rows kept) must be known to allocate ``x_grouped [R, H]``: the launcher reads the 16-byte
+summary once (``tolist``), which also checks the ids and makes ``num_dropped`` a Python int. A
+capacity-bounded ``[min(P, E * C), H]`` buffer would avoid that read but hand every consumer (grouped GEMM,
+the expert-parallel all-to-all, which takes host split sizes anyway) dead rows to skip; we chose the exact
+size. On CPU tensors the ids are always checked (reading a CPU tensor costs no device sync); on CUDA
+without a capacity they are not (a check would be a sync): an id outside ``[0, E)`` then behaves as a
+dropped pair (``dest = -1``) and leaves a zero row at the end of ``x_grouped``; it never writes out of
+bounds.
+
+Backward (Triton): dispatch's ``dx[t] = sum_j dx_grouped[dest[t, j]]`` (kept j) is the unweighted form of
+the combine forward, one kernel ``_gather_sum_kernel`` for both (fp32 accumulation over j in slot order,
+one rounding, no atomics: deterministic). Combine's ``dy[r] = weights[pair] * dout[token]`` over grouped rows
+(``_combine_dy_kernel``) and ``dweights[t, j] = <dout[t], y[dest[t, j]]>`` (``_combine_dw_kernel``, 0 for a
+dropped pair).
+
+Index math: every offset that can pass 2^31 is int64. Where an int32 enters (program ids, loaded int32
+ids) it goes through ``row_offset`` / ``pair_coords`` below (``tests/test_moe_dispatch.py`` runs them past
+2^31); indices derived from their int64 results stay int64, loaded indices are int64 buffers, and loops
+over slots step 64-bit pointers instead of multiplying ``j * stride``. (Each helper call costs the
+interpreter ~2 ms, so they sit outside the inner loops.)
+
+Example::
+
+    >>> x = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
+    >>> ids = torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0]], device="cuda")
+    >>> x_grouped, plan = moe_dispatch(x, ids, 3)        # [8, 16], plan.offsets = [0, 3, 5, 8]
+    >>> out = moe_combine(x_grouped, plan, torch.ones(4, 2, device="cuda"))
+    >>> torch.equal(out, 2 * x)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import torch
+import triton
+import triton.language as tl
+
+from smptk.kernels import runtime
+from smptk.kernels._buffers import new_buffer, poison_enabled
+from smptk.kernels._checks import check_float_tensor
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Plan kernels: a program covers PAIRS_PER_PROG pairs (so hist/base stay ~P/1024 x E: 1 MB at
+# P = 512K pairs, E = 256) in chunks of BLOCK_P pairs; the one-hot chunk is BLOCK_P x BLOCK_E, held to
+# ~4K elements (BLOCK_P = clamp(4096 // BLOCK_E, 16, 128)). The scan walks up to SCAN_BLOCK_B programs'
+# rows per step, also held to a ~4K-element tile. Untuned (no GPU run yet).
+_PLAN_BLOCKS = {"PAIRS_PER_PROG": 1024, "CHUNK_ELEMS": 4096, "MIN_BLOCK_P": 16, "SCAN_BLOCK_B": 32}
+_SCAN_TILE_ELEMS = 4096
+# Interpreter: small blocks so the CPU tests (T * k >= 65) cross program, chunk (E <= 8: 2 chunks of 16 pairs)
+# and scan-step boundaries.
+_PLAN_BLOCKS_INTERPRETER = {"PAIRS_PER_PROG": 32, "CHUNK_ELEMS": 128, "MIN_BLOCK_P": 4, "SCAN_BLOCK_B": 2}
+# Row kernels (copies, k-term weighted sums, H-long dots): memory-bound, untuned.
+_ROW_BLOCKS = {"BLOCK_R": 32, "BLOCK_H": 128}
+_ROW_BLOCKS_INTERPRETER = {"BLOCK_R": 8, "BLOCK_H": 16}
+
+
+def _plan_blocks() -> dict[str, int]:
+    return _PLAN_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _PLAN_BLOCKS
+
+
+def _row_blocks() -> dict[str, int]:
+    return _ROW_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _ROW_BLOCKS
+
+
+def new_index_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for an integer output; under ``SMPTK_POISON_OUTPUTS=1`` filled with the dtype's
+    minimum (NaN does not exist for integers), which no kernel here ever writes."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_enabled():
+        out.fill_(torch.iinfo(dtype).min)
+    return out
+
+
+@triton.jit
+def row_offset(rows, stride):
+    """``rows * stride`` in int64: ``rows`` may be int32 (program ids, loaded indices) and the product pass
+    2^31 (row 2^20 of a 4096-wide buffer already does)."""
+    return tl.cast(rows, tl.int64) * stride  # tl.cast: also takes the interpreter's plain-int loop indices
+
+
+@triton.jit
+def pair_coords(p, top_k):
+    """Pair index ``p = t * top_k + j`` (any int type) -> ``(t, j)`` in int64."""
+    p64 = tl.cast(p, tl.int64)
+    return p64 // top_k, p64 % top_k
+
+
+@triton.jit
+def _dispatch_hist_kernel(
+    ids_ptr,
+    hist_ptr,
+    bad_ptr,
+    P,
+    E,
+    top_k,
+    stride_it,
+    stride_ik,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PAIRS_PER_PROG: tl.constexpr,
+):
+    """Per-program expert histogram of pairs [pid * PAIRS_PER_PROG, +PAIRS_PER_PROG).
+
+    ids_ptr: [T, k] int32/int64 with strides (stride_it, stride_ik); pair p = t * k + j.
+    hist_ptr: [num_progs, E] int32 contiguous (row pid written in full). bad_ptr: [num_progs] int32, the
+    number of ids outside [0, E) among this program's pairs.
+    """
+    pid = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    hist = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    bad = tl.zeros((BLOCK_P,), dtype=tl.int32)
+    p0 = row_offset(pid, PAIRS_PER_PROG)
+    for c in range(0, PAIRS_PER_PROG, BLOCK_P):
+        p = p0 + c + tl.arange(0, BLOCK_P)
+        ok = p < P
+        t, j = pair_coords(p, top_k)
+        ids = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=ok, other=0).to(tl.int64)
+        valid = ok & (ids >= 0) & (ids < E)
+        onehot = (ids[:, None] == e_idx[None, :]) & valid[:, None]
+        hist += tl.sum(onehot.to(tl.int32), axis=0)
+        bad += (ok & ~valid).to(tl.int32)
+    tl.store(hist_ptr + row_offset(pid, E) + e_idx, hist, mask=e_idx < E)
+    tl.store(bad_ptr + pid, tl.sum(bad, axis=0))
+
+
+@triton.jit
+def _dispatch_scan_kernel(
+    hist_ptr,
+    bad_ptr,
+    base_ptr,
+    offsets_ptr,
+    kept_ptr,
+    summary_ptr,
+    num_progs,
+    E,
+    capacity,
+    BLOCK_B: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """One program: scans of the histograms over programs and of the kept counts over experts.
+
+    hist_ptr: [num_progs, E] int32; bad_ptr: [num_progs] int32.
+    base_ptr: [num_progs, E] int64, base[b, e] = sum over b' < b of hist[b', e].
+    offsets_ptr: [E + 1] int64, exclusive scan of kept.
+    kept_ptr: [E] int64, kept[e] = min(count[e], capacity).
+    summary_ptr: [2] int64 = (rows kept = offsets[E], ids outside [0, E)).
+    """
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < E
+    carry = tl.zeros((BLOCK_E,), dtype=tl.int64)
+    bad = tl.zeros((BLOCK_B,), dtype=tl.int64)
+    for b0 in range(0, num_progs, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        mask = (b < num_progs)[:, None] & e_ok[None, :]
+        offs = row_offset(b, E)[:, None] + e_idx[None, :]
+        tile = tl.load(hist_ptr + offs, mask=mask, other=0).to(tl.int64)
+        incl = tl.cumsum(tile, axis=0)
+        tl.store(base_ptr + offs, incl - tile + carry[None, :], mask=mask)
+        carry += tl.sum(tile, axis=0)
+        bad += tl.load(bad_ptr + b, mask=b < num_progs, other=0).to(tl.int64)
+    kept = tl.minimum(carry, capacity)
+    kept_incl = tl.cumsum(kept, axis=0)
+    total = tl.sum(kept, axis=0)
+    tl.store(kept_ptr + e_idx, kept, mask=e_ok)
+    tl.store(offsets_ptr + e_idx, kept_incl - kept, mask=e_ok)
+    tl.store(offsets_ptr + E, total)
+    tl.store(summary_ptr, total)
+    tl.store(summary_ptr + 1, tl.sum(bad, axis=0))
+
+
+@triton.jit
+def _dispatch_scatter_kernel(
+    ids_ptr,
+    base_ptr,
+    offsets_ptr,
+    dest_ptr,
+    src_token_ptr,
+    src_pair_ptr,
+    P,
+    E,
+    top_k,
+    capacity,
+    stride_it,
+    stride_ik,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PAIRS_PER_PROG: tl.constexpr,
+):
+    """Stable positions and destinations of the pairs [pid * PAIRS_PER_PROG, +PAIRS_PER_PROG).
+
+    ids_ptr: [T, k] as in the histogram kernel. base_ptr: [num_progs, E] int64; offsets_ptr: [E + 1] int64.
+    dest_ptr: [T, k] int64 contiguous (flat index p), the grouped row of each pair or -1 when dropped.
+    src_token_ptr, src_pair_ptr: [R] int64; row dest[p] gets t and p for every kept pair p.
+    """
+    pid = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < E
+    running = tl.load(base_ptr + row_offset(pid, E) + e_idx, mask=e_ok, other=0)  # int64 [BLOCK_E]
+    start = tl.load(offsets_ptr + e_idx, mask=e_ok, other=0)
+    p0 = row_offset(pid, PAIRS_PER_PROG)
+    for c in range(0, PAIRS_PER_PROG, BLOCK_P):
+        p = p0 + c + tl.arange(0, BLOCK_P)
+        ok = p < P
+        t, j = pair_coords(p, top_k)
+        ids = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=ok, other=0).to(tl.int64)
+        valid = ok & (ids >= 0) & (ids < E)
+        onehot = (ids[:, None] == e_idx[None, :]) & valid[:, None]
+        oh = onehot.to(tl.int32)
+        incl = tl.cumsum(oh, axis=0)  # in-chunk: pairs of each expert up to and including this one
+        pos = tl.sum(tl.where(onehot, running[None, :] + (incl - 1), 0), axis=1)
+        row0 = tl.sum(tl.where(onehot, start[None, :], 0), axis=1)
+        keep = valid & (pos < capacity)
+        d = tl.where(keep, row0 + pos, -1)
+        tl.store(dest_ptr + p, d, mask=ok)
+        tl.store(src_token_ptr + d, t, mask=keep)
+        tl.store(src_pair_ptr + d, p, mask=keep)
+        running += tl.sum(oh, axis=0).to(tl.int64)
+
+
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr,
+    src_ptr,
+    out_ptr,
+    R,
+    H,
+    stride_xt,
+    stride_xh,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[r, :] = x[src[r], :] (zeros where src[r] < 0).
+
+    x_ptr: [T, H] with strides (stride_xt, stride_xh); src_ptr: [R] int64; out_ptr: [R, H] contiguous.
+    """
+    rows = row_offset(tl.program_id(0), BLOCK_R) + tl.arange(0, BLOCK_R)
+    cols = row_offset(tl.program_id(1), BLOCK_H) + tl.arange(0, BLOCK_H)
+    r_ok = rows < R
+    c_ok = cols < H
+    src = tl.load(src_ptr + rows, mask=r_ok, other=-1)
+    v = tl.load(
+        x_ptr + src[:, None] * stride_xt + cols[None, :] * stride_xh,
+        mask=(src >= 0)[:, None] & c_ok[None, :],
+        other=0.0,
+    )
+    tl.store(out_ptr + rows[:, None] * H + cols[None, :], v, mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _gather_sum_kernel(
+    src_ptr,
+    dest_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    H,
+    top_k,
+    stride_sr,
+    stride_sh,
+    stride_wt,
+    stride_wk,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[t, :] = sum over j with dest[t, j] >= 0 of w[t, j] * src[dest[t, j], :] (w = 1 without weights).
+
+    src_ptr: [R, H] with strides (stride_sr, stride_sh); dest_ptr: [T, k] int64 contiguous;
+    w_ptr: [T, k] any float with strides (stride_wt, stride_wk); out_ptr: [T, H] contiguous.
+    fp32 accumulation in slot order j = 0..k-1, one rounding to out's dtype.
+    """
+    rows = row_offset(tl.program_id(0), BLOCK_R) + tl.arange(0, BLOCK_R)
+    cols = row_offset(tl.program_id(1), BLOCK_H) + tl.arange(0, BLOCK_H)
+    r_ok = rows < T
+    c_ok = cols < H
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    dest_row = dest_ptr + rows * top_k
+    w_ptrs = w_ptr + rows * stride_wt
+    for j in range(0, top_k):
+        d = tl.load(dest_row + j, mask=r_ok, other=-1)
+        v = tl.load(
+            src_ptr + d[:, None] * stride_sr + cols[None, :] * stride_sh,
+            mask=(d >= 0)[:, None] & c_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_WEIGHTS:
+            w = tl.load(w_ptrs, mask=r_ok, other=0.0)
+            v = v * w.to(tl.float32)[:, None]
+        acc += v
+        w_ptrs += stride_wk  # 64-bit pointer step: no j * stride product
+    tl.store(
+        out_ptr + rows[:, None] * H + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=r_ok[:, None] & c_ok[None, :],
+    )
+
+
+@triton.jit
+def _combine_dy_kernel(
+    dout_ptr,
+    w_ptr,
+    src_pair_ptr,
+    dy_ptr,
+    R,
+    H,
+    top_k,
+    stride_dt,
+    stride_dh,
+    stride_wt,
+    stride_wk,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """dy[r, :] = w[t, j] * dout[t, :] with (t, j) the pair of grouped row r (zeros where src_pair[r] < 0).
+
+    dout_ptr: [T, H] with strides (stride_dt, stride_dh); w_ptr: [T, k] with strides (stride_wt, stride_wk);
+    src_pair_ptr: [R] int64; dy_ptr: [R, H] contiguous.
+    """
+    rows = row_offset(tl.program_id(0), BLOCK_R) + tl.arange(0, BLOCK_R)
+    cols = row_offset(tl.program_id(1), BLOCK_H) + tl.arange(0, BLOCK_H)
+    r_ok = rows < R
+    c_ok = cols < H
+    pair = tl.load(src_pair_ptr + rows, mask=r_ok, other=-1)
+    live = pair >= 0
+    t, j = pair_coords(tl.maximum(pair, 0), top_k)
+    w = tl.load(w_ptr + t * stride_wt + j * stride_wk, mask=live, other=0.0)
+    g = tl.load(
+        dout_ptr + t[:, None] * stride_dt + cols[None, :] * stride_dh,
+        mask=live[:, None] & c_ok[None, :],
+        other=0.0,
+    )
+    dy = g.to(tl.float32) * w.to(tl.float32)[:, None]
+    tl.store(
+        dy_ptr + rows[:, None] * H + cols[None, :],
+        dy.to(dy_ptr.dtype.element_ty),
+        mask=r_ok[:, None] & c_ok[None, :],
+    )
+
+
+@triton.jit
+def _combine_dw_kernel(
+    dout_ptr,
+    y_ptr,
+    dest_ptr,
+    dw_ptr,
+    T,
+    H,
+    top_k,
+    stride_dt,
+    stride_dh,
+    stride_yr,
+    stride_yh,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """dw[t, j] = sum over h of dout[t, h] * y[dest[t, j], h] (0 where dest[t, j] < 0), fp32 accumulation.
+
+    dout_ptr: [T, H] with strides (stride_dt, stride_dh); y_ptr: [R, H] with strides (stride_yr, stride_yh);
+    dest_ptr: [T, k] int64 contiguous; dw_ptr: [T, k] contiguous, weights' dtype.
+    """
+    rows = row_offset(tl.program_id(0), BLOCK_R) + tl.arange(0, BLOCK_R)
+    r_ok = rows < T
+    kk = tl.arange(0, BLOCK_K)
+    h_idx = tl.arange(0, BLOCK_H).to(tl.int64)
+    dest_row = dest_ptr + rows * top_k
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + h_idx
+        c_ok = cols < H
+        g = tl.load(
+            dout_ptr + rows[:, None] * stride_dt + cols[None, :] * stride_dh,
+            mask=r_ok[:, None] & c_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        for j in range(0, top_k):
+            d = tl.load(dest_row + j, mask=r_ok, other=-1)
+            v = tl.load(
+                y_ptr + d[:, None] * stride_yr + cols[None, :] * stride_yh,
+                mask=(d >= 0)[:, None] & c_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            part = tl.sum(g * v, axis=1)
+            acc += tl.where(kk[None, :] == j, part[:, None], 0.0)
+    tl.store(
+        dw_ptr + rows[:, None] * top_k + kk[None, :],
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=r_ok[:, None] & (kk < top_k)[None, :],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDispatchPlan:
+    """Where every (token, slot) pair went; made by :func:`moe_dispatch`, consumed by :func:`moe_combine`.
+
+    Attributes:
+        offsets: ``[E + 1]`` int64; expert e's rows are ``offsets[e]:offsets[e + 1]`` of the grouped buffer.
+        tokens_per_expert: ``[E]`` int64, the pairs each expert **kept** (after the capacity).
+        dest: ``[T, k]`` int64, the grouped row of pair ``(t, j)``, or -1 where it was dropped.
+        source_token: ``[R]`` int64, the token of each grouped row.
+        source_pair: ``[R]`` int64, the pair ``t * k + j`` of each grouped row.
+        num_dropped: pairs dropped by the capacity (a Python int; 0 without a capacity).
+        capacity: C, or None without ``capacity_factor``.
+        top_k: k. num_experts: E.
+    """
+
+    offsets: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    dest: torch.Tensor
+    source_token: torch.Tensor
+    source_pair: torch.Tensor
+    num_dropped: int
+    capacity: int | None
+    top_k: int
+    num_experts: int
+
+    @property
+    def num_tokens(self) -> int:
+        """T."""
+        return self.dest.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """R, the rows of the grouped buffer (the pairs kept)."""
+        return self.source_token.shape[0]
+
+
+def capacity_of(capacity_factor: float | None, num_tokens: int, top_k: int, num_experts: int) -> int | None:
+    """``ceil(capacity_factor * T * k / E)`` in exact rational arithmetic on the float given (no float
+    rounding can push an exact integer up by one); None without a capacity factor.
+
+    >>> capacity_of(0.5, 4, 2, 3), capacity_of(1.0, 6, 2, 3), capacity_of(None, 4, 2, 3)
+    (2, 4, None)
+    """
+    if capacity_factor is None:
+        return None
+    return math.ceil(Fraction(capacity_factor) * num_tokens * top_k / num_experts)
+
+
+def _check_ids_result(bad: int, num_experts: int) -> None:
+    if bad:
+        raise ValueError(
+            f"expert_ids: {bad} ids are outside [0, num_experts) = [0, {num_experts}); "
+            "every id must name an expert"
+        )
+
+
+def _ids_checked_on_host(device: torch.device, capacity: int | None) -> bool:
+    """Whether the launcher reads the summary back: with a capacity (it must, for R) or on CPU (free)."""
+    return capacity is not None or device.type == "cpu"
+
+
+def dispatch_plan(expert_ids: torch.Tensor, num_experts: int, capacity: int | None) -> MoEDispatchPlan:
+    """Triton plan (histogram, scan, scatter) for checked ``expert_ids [T, k]``; see the module docstring."""
+    T, k = expert_ids.shape
+    E = num_experts
+    P = T * k
+    device = expert_ids.device
+    blocks = _plan_blocks()
+    BLOCK_E = triton.next_power_of_2(E)
+    # Powers of two no larger than PAIRS_PER_PROG (a power of two), so chunks tile a program exactly.
+    BLOCK_P = min(max(blocks["CHUNK_ELEMS"] // BLOCK_E, blocks["MIN_BLOCK_P"]), 128, blocks["PAIRS_PER_PROG"])
+    num_progs = triton.cdiv(P, blocks["PAIRS_PER_PROG"])
+    cap = P if capacity is None else capacity
+    hist = new_index_buffer((num_progs, E), torch.int32, device)
+    bad = new_index_buffer((num_progs,), torch.int32, device)
+    base = new_index_buffer((num_progs, E), torch.int64, device)
+    offsets = new_index_buffer((E + 1,), torch.int64, device)
+    kept = new_index_buffer((E,), torch.int64, device)
+    summary = new_index_buffer((2,), torch.int64, device)
+    if num_progs:
+        _dispatch_hist_kernel[(num_progs,)](
+            expert_ids,
+            hist,
+            bad,
+            P,
+            E,
+            k,
+            expert_ids.stride(0),
+            expert_ids.stride(1),
+            BLOCK_P=BLOCK_P,
+            BLOCK_E=BLOCK_E,
+            PAIRS_PER_PROG=blocks["PAIRS_PER_PROG"],
+        )
+    _dispatch_scan_kernel[(1,)](
+        hist,
+        bad,
+        base,
+        offsets,
+        kept,
+        summary,
+        num_progs,
+        E,
+        cap,
+        BLOCK_B=max(1, min(blocks["SCAN_BLOCK_B"], _SCAN_TILE_ELEMS // BLOCK_E)),
+        BLOCK_E=BLOCK_E,
+    )
+    checked = _ids_checked_on_host(device, capacity)
+    if checked:
+        rows, nbad = summary.tolist()  # the one host read (see the module docstring)
+        _check_ids_result(nbad, E)
+    else:
+        rows = P
+    dest = new_index_buffer((T, k), torch.int64, device)
+    if checked:
+        src_token = new_index_buffer((rows,), torch.int64, device)
+        src_pair = new_index_buffer((rows,), torch.int64, device)
+    else:  # unchecked ids: rows a bad id leaves unwritten must read as "no source"
+        src_token = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        src_pair = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    if num_progs:
+        _dispatch_scatter_kernel[(num_progs,)](
+            expert_ids,
+            base,
+            offsets,
+            dest,
+            src_token,
+            src_pair,
+            P,
+            E,
+            k,
+            cap,
+            expert_ids.stride(0),
+            expert_ids.stride(1),
+            BLOCK_P=BLOCK_P,
+            BLOCK_E=BLOCK_E,
+            PAIRS_PER_PROG=blocks["PAIRS_PER_PROG"],
+        )
+    return MoEDispatchPlan(
+        offsets=offsets,
+        tokens_per_expert=kept,
+        dest=dest,
+        source_token=src_token,
+        source_pair=src_pair,
+        num_dropped=P - rows,
+        capacity=capacity,
+        top_k=k,
+        num_experts=E,
+    )
+
+
+def gather_rows(x_TH: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
+    """``x[src]`` as a new contiguous ``[R, H]`` buffer in x's dtype (zero rows where src < 0)."""
+    R, H = src_R.shape[0], x_TH.shape[1]
+    out = new_buffer((R, H), x_TH.dtype, x_TH.device)
+    if R and H:
+        b = _row_blocks()
+        _gather_rows_kernel[(triton.cdiv(R, b["BLOCK_R"]), triton.cdiv(H, b["BLOCK_H"]))](
+            x_TH, src_R, out, R, H, x_TH.stride(0), x_TH.stride(1), **b
+        )
+    return out
+
+
+def gather_sum(src_RH: torch.Tensor, dest_TK: torch.Tensor, w_TK: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * src[dest[t, j]]`` over kept j, ``[T, H]`` in src's dtype."""
+    T, k = dest_TK.shape
+    H = src_RH.shape[1]
+    out = new_buffer((T, H), src_RH.dtype, src_RH.device)
+    if T and H:
+        b = _row_blocks()
+        w = w_TK if w_TK is not None else src_RH
+        sw = (w_TK.stride(0), w_TK.stride(1)) if w_TK is not None else (0, 0)
+        _gather_sum_kernel[(triton.cdiv(T, b["BLOCK_R"]), triton.cdiv(H, b["BLOCK_H"]))](
+            src_RH,
+            dest_TK,
+            w,
+            out,
+            T,
+            H,
+            k,
+            src_RH.stride(0),
+            src_RH.stride(1),
+            *sw,
+            HAS_WEIGHTS=w_TK is not None,
+            **b,
+        )
+    return out
+
+
+def combine_dy(dout_TH: torch.Tensor, w_TK: torch.Tensor, src_pair_R: torch.Tensor, dtype) -> torch.Tensor:
+    """``dy[r] = w[pair(r)] * dout[token(r)]``, ``[R, H]`` in ``dtype``."""
+    R, H = src_pair_R.shape[0], dout_TH.shape[1]
+    dy = new_buffer((R, H), dtype, dout_TH.device)
+    if R and H:
+        b = _row_blocks()
+        _combine_dy_kernel[(triton.cdiv(R, b["BLOCK_R"]), triton.cdiv(H, b["BLOCK_H"]))](
+            dout_TH,
+            w_TK,
+            src_pair_R,
+            dy,
+            R,
+            H,
+            w_TK.shape[1],
+            dout_TH.stride(0),
+            dout_TH.stride(1),
+            w_TK.stride(0),
+            w_TK.stride(1),
+            **b,
+        )
+    return dy
+
+
+def combine_dw(dout_TH: torch.Tensor, y_RH: torch.Tensor, dest_TK: torch.Tensor, dtype) -> torch.Tensor:
+    """``dw[t, j] = <dout[t], y[dest[t, j]]>`` (0 for dropped pairs), ``[T, k]`` in ``dtype``."""
+    T, k = dest_TK.shape
+    H = dout_TH.shape[1]
+    dw = new_buffer((T, k), dtype, dout_TH.device)
+    if T:
+        b = _row_blocks()
+        _combine_dw_kernel[(triton.cdiv(T, b["BLOCK_R"]),)](
+            dout_TH,
+            y_RH,
+            dest_TK,
+            dw,
+            T,
+            H,
+            k,
+            dout_TH.stride(0),
+            dout_TH.stride(1),
+            y_RH.stride(0),
+            y_RH.stride(1),
+            BLOCK_K=triton.next_power_of_2(k),
+            **b,
+        )
+    return dw
+
+
+class MoEDispatchFunction(torch.autograd.Function):
+    """``x[source_token]`` forward, ``dx[t] = sum_j dx_grouped[dest[t, j]]`` backward (plan precomputed)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, src_token_R, dest_TK):
+        ctx.save_for_backward(dest_TK)
+        return gather_rows(x_TH, src_token_R)
+
+    @staticmethod
+    def backward(ctx, dxg_RH):
+        (dest_TK,) = ctx.saved_tensors
+        return gather_sum(dxg_RH, dest_TK, None), None, None
+
+
+class MoECombineFunction(torch.autograd.Function):
+    """Weighted gather-sum forward; ``dy`` per grouped row and ``dweights`` per pair backward."""
+
+    @staticmethod
+    def forward(ctx, y_RH, w_TK, dest_TK, src_pair_R):
+        ctx.save_for_backward(y_RH, w_TK, dest_TK, src_pair_R)
+        return gather_sum(y_RH, dest_TK, w_TK)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        y_RH, w_TK, dest_TK, src_pair_R = ctx.saved_tensors
+        dy = combine_dy(dout_TH, w_TK, src_pair_R, y_RH.dtype) if ctx.needs_input_grad[0] else None
+        dw = combine_dw(dout_TH, y_RH, dest_TK, w_TK.dtype) if ctx.needs_input_grad[1] else None
+        return dy, dw, None, None
+
+
+# --- pure-PyTorch path (SMPTK_KERNELS=torch, or where Triton cannot run) --------------------------------
+
+
+def _dispatch_torch(
+    x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, capacity: int | None
+) -> tuple[torch.Tensor, MoEDispatchPlan]:
+    T, k = expert_ids.shape
+    ids = expert_ids.reshape(-1).long()
+    bad = int(((ids < 0) | (ids >= num_experts)).sum())
+    _check_ids_result(bad, num_experts)
+    P = ids.numel()
+    order = torch.sort(ids, stable=True).indices  # pairs grouped by expert, pair order inside each
+    counts = torch.bincount(ids, minlength=num_experts)
+    first = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(ids)
+    pos[order] = torch.arange(P, device=ids.device) - first[ids[order]]
+    keep = pos < capacity if capacity is not None else torch.ones_like(ids, dtype=torch.bool)
+    kept = torch.bincount(ids[keep], minlength=num_experts)
+    offsets = torch.cat([kept.new_zeros(1), torch.cumsum(kept, 0)])
+    dest = torch.where(keep, offsets[ids] + pos, -1).view(T, k)
+    source_pair = order[keep[order]]
+    source_token = source_pair // k
+    plan = MoEDispatchPlan(
+        offsets=offsets,
+        tokens_per_expert=kept,
+        dest=dest,
+        source_token=source_token,
+        source_pair=source_pair,
+        num_dropped=P - source_pair.numel(),
+        capacity=capacity,
+        top_k=k,
+        num_experts=num_experts,
+    )
+    return x[source_token], plan
+
+
+def _combine_torch(y: torch.Tensor, plan: MoEDispatchPlan, weights: torch.Tensor) -> torch.Tensor:
+    T, H = plan.num_tokens, y.shape[1]
+    w_rows = weights.reshape(-1)[plan.source_pair].float()
+    out = torch.zeros(T, H, dtype=torch.float32, device=y.device)
+    out = out.index_add(0, plan.source_token, y.float() * w_rows[:, None])
+    return out.to(y.dtype)
+
+
+# --- public entry points --------------------------------------------------------------------------------
+
+
+def _check_int_count(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name}: expected >= {low}, got {value}")
+
+
+def _triton_path(device: torch.device) -> bool:
+    # No tl.dot in these kernels, so bf16 is exact under the interpreter: ask runtime about the device only
+    # (runtime.select_path would send bf16 CPU tensors to torch for tl.dot's sake).
+    return runtime.select_path(torch.empty(0, device=device)) == "triton"
+
+
+def moe_dispatch(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    capacity_factor: float | None = None,
+) -> tuple[torch.Tensor, MoEDispatchPlan]:
+    """Group the rows of ``x`` by expert: one row per kept (token, slot) pair, stable within each expert.
+
+    Args:
+        x: ``[T, H]`` float32, float16 or bfloat16, any strides.
+        expert_ids: ``[T, k]`` int32 or int64 on x's device, ids in ``[0, num_experts)`` (from moe_route).
+        num_experts: E >= 1.
+        capacity_factor: None (keep every pair) or > 0: each expert keeps at most
+            ``ceil(capacity_factor * T * k / E)`` pairs, the earliest ones (pair order ``t * k + j``).
+
+    Returns:
+        ``(x_grouped [R, H] in x's dtype, plan)``: expert e's rows are ``plan.offsets[e]:plan.offsets[e+1]``;
+        see :class:`MoEDispatchPlan` and the module docstring for the worked example. Differentiable in x
+        (the backward sums each token's rows). With a capacity the call reads 16 bytes back to size
+        ``x_grouped`` (one host sync); without one it reads nothing back on CUDA.
+
+    Example::
+
+        >>> x = torch.arange(8.0).view(4, 2)
+        >>> x_grouped, plan = moe_dispatch(x, torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0]]), 3)
+        >>> plan.offsets.tolist(), plan.source_token.tolist()
+        ([0, 3, 5, 8], [0, 2, 3, 1, 2, 0, 1, 3])
+        >>> x_grouped[:3].tolist()  # expert 0's rows: tokens 0, 2, 3
+        [[0.0, 1.0], [4.0, 5.0], [6.0, 7.0]]
+    """
+    check_float_tensor("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [T, H] tensor, got shape {tuple(x.shape)}")
+    if not isinstance(expert_ids, torch.Tensor):
+        raise TypeError(f"expert_ids: expected a torch.Tensor, got {type(expert_ids).__name__}")
+    if expert_ids.dtype not in INDEX_DTYPES:
+        raise TypeError(f"expert_ids: dtype {expert_ids.dtype} is not supported; expected int32 or int64")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expert_ids: expected shape [T, k] = [{x.shape[0]}, k] to match x's T, "
+            f"got {tuple(expert_ids.shape)}"
+        )
+    if expert_ids.device != x.device:
+        raise ValueError(f"expert_ids: on {expert_ids.device} but x is on {x.device}")
+    _check_int_count("num_experts", num_experts, 1)
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+            raise TypeError(
+                f"capacity_factor: expected None or a number, got {type(capacity_factor).__name__}"
+            )
+        if not math.isfinite(capacity_factor) or capacity_factor <= 0:
+            raise ValueError(f"capacity_factor: expected a finite number > 0, got {capacity_factor}")
+    T, k = expert_ids.shape
+    capacity = capacity_of(capacity_factor, T, k, num_experts)
+    if not _triton_path(x.device):
+        return _dispatch_torch(x, expert_ids, num_experts, capacity)
+    plan = dispatch_plan(expert_ids, num_experts, capacity)
+    x_grouped = MoEDispatchFunction.apply(x, plan.source_token, plan.dest)
+    return x_grouped, plan
+
+
+def moe_combine(y: torch.Tensor, plan: MoEDispatchPlan, weights: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`moe_dispatch`: ``out[t] = sum_j weights[t, j] * y[plan.dest[t, j]]`` over kept pairs.
+
+    Args:
+        y: ``[R, H]`` float32, float16 or bfloat16, rows in ``x_grouped``'s order (R = ``plan.num_rows``).
+        plan: the :class:`MoEDispatchPlan` of the dispatch.
+        weights: ``[T, k]`` any supported float dtype (moe_route's fp32 weights), on y's device.
+
+    Returns:
+        ``[T, H]`` in y's dtype (fp32 accumulation over the k slots, one rounding); a token whose pairs were
+        all dropped gets a zero row. Differentiable in y and weights.
+
+    Example::
+
+        >>> x = torch.arange(8.0).view(4, 2)
+        >>> x_grouped, plan = moe_dispatch(x, torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0]]), 3)
+        >>> moe_combine(x_grouped, plan, torch.full((4, 2), 0.5)).equal(x)
+        True
+    """
+    if not isinstance(plan, MoEDispatchPlan):
+        raise TypeError(f"plan: expected the MoEDispatchPlan from moe_dispatch, got {type(plan).__name__}")
+    check_float_tensor("y", y)
+    if y.dim() != 2 or y.shape[0] != plan.num_rows:
+        raise ValueError(
+            f"y: expected shape [R, H] with R = plan.num_rows = {plan.num_rows}, got {tuple(y.shape)}"
+        )
+    if y.device != plan.dest.device:
+        raise ValueError(f"y: on {y.device} but the plan is on {plan.dest.device}")
+    check_float_tensor("weights", weights)
+    if weights.device != y.device:
+        raise ValueError(f"weights: on {weights.device} but y is on {y.device}")
+    if tuple(weights.shape) != tuple(plan.dest.shape):
+        raise ValueError(
+            f"weights: expected shape [T, k] = {tuple(plan.dest.shape)} (the plan's), "
+            f"got {tuple(weights.shape)}"
+        )
+    if not _triton_path(y.device):
+        return _combine_torch(y, plan, weights)
+    return MoECombineFunction.apply(y, weights, plan.dest, plan.source_pair)

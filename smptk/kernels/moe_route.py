@@ -1,0 +1,535 @@
+"""moe_route: top-k expert selection, routing weights and the router's auxiliary losses in one pass.
+
+Legend: T tokens, E experts, k = top_k slots per token; ``s = logits[t]`` in fp32; ``score`` the per-expert
+score (softmax(s) or sigmoid(s)); ``sel = score + expert_bias`` the selection key.
+
+Shapes: logits ``[T, E]`` (float32/float16/bfloat16, any strides) -> weights ``[T, k]`` fp32, expert_ids
+``[T, k]`` int32, tokens_per_expert ``[E]`` int64, aux_loss and z_loss 0-d fp32.
+
+What it computes, per token:
+
+- ``expert_ids[t]``: the k experts with the largest ``sel``, in descending ``sel`` order; on equal ``sel``
+  the lower expert id comes first (and is the one picked). NaN keys are never preferred over numbers (the
+  picked set is then unspecified; the weights come out NaN anyway).
+- ``weights[t, j] = score[expert_ids[t, j]]``, divided by their sum over the k slots if ``renormalize``.
+  ``expert_bias`` ([E]) moves the *selection* only (aux-loss-free load balancing, DeepSeek-V3): the weights
+  use the unbiased score, and no gradient reaches the bias.
+- ``tokens_per_expert[e]``: the pairs assigned to e (sum = T * k).
+- ``aux_loss = E * sum_e f_e * P_e``, the switch-style load-balancing loss (Switch Transformer, Fedus et al.
+  2021): ``f_e = tokens_per_expert[e] / (T * k)`` (a count, no gradient; with a bias it counts the biased
+  selection, i.e. the real assignments) and ``P_e = mean_t q[t, e]`` with ``q`` the router probabilities:
+  ``q = softmax(s)`` for softmax scores; for sigmoid scores ``q = sigmoid(s) / sum_e sigmoid(s)``, the scores
+  normalized per token (as in DeepSeek-V3's sequence-wise balance loss), so that ``sum_e q = 1`` in both
+  cases and a perfectly balanced router gives ``aux_loss = 1``.
+- ``z_loss = mean_t logsumexp(s)^2``, the router z-loss (ST-MoE, Zoph et al. 2022), whatever the score.
+- T = 0 gives empty weights and ids, zero counts and both losses 0 (not the NaN of an empty mean).
+
+Worked example, 4 tokens, E = 3, k = 2, softmax, renormalize::
+
+    logits            = [[2, 0, 1], [0, 1, 2], [1, 1, 0], [1, 0, 3]]
+    expert_ids        = [[0, 2], [2, 1], [0, 1], [2, 0]]      token 2: experts 0 and 1 tie, 0 goes first
+    weights           = [[.731, .269], [.731, .269], [.5, .5], [.881, .119]]   softmax over the two picked
+    tokens_per_expert = [3, 2, 3]
+    aux_loss          = 3 * (3/8 * P_0 + 2/8 * P_1 + 3/8 * P_2) = 1.0501, P = column means of softmax(logits)
+    z_loss            = mean of logsumexp(row)^2 = 6.2770
+
+Kernels (Triton, forward and backward):
+
+1. ``_route_fwd_kernel``: each program takes ``ROWS_PER_PROG`` tokens in sub-blocks of ``BLOCK_T`` x
+   ``BLOCK_E`` (BLOCK_E = next power of 2 >= E, padded experts masked to -inf). Scores, then k rounds of
+   selection: ``best = max(sel over available experts)``, ``id = min(e : available and sel[e] == best)``.
+   Taking the *minimum index among the maxima* is what breaks ties toward the lower id (it does not rely on
+   an argmax's tie rule); the picked expert is then marked unavailable. Weights and ids are kept as
+   ``[BLOCK_T, BLOCK_K]`` register tiles, renormalized and stored once. Per program the kernel also sums
+   the picks per expert, ``q`` per expert and ``lse^2`` into partial rows (``[num_progs, E]`` and
+   ``[num_progs]``).
+2. ``_route_stats_kernel`` (one program) adds the partial rows in a fixed order (deterministic, no float
+   atomics) and writes tokens_per_expert, aux_loss and z_loss.
+3. ``_route_bwd_kernel``: from the weights' gradient g (``[T, k]``) and the two scalar loss gradients,
+   recomputes the scores from the logits and writes dlogits (logits' dtype):
+   score gradient ``G`` (g at the picked experts; with renormalize ``(G - sum_j g_j w_j) / Z``, Z the
+   picked scores' sum), aux gradient ``d aux / d q[t, e] = E * f_e / T``, then the softmax Jacobian
+   ``p * (g - <p, g>)`` or, for sigmoid, the per-token normalization's Jacobian and
+   ``sigmoid(s) * sigmoid(-s)`` (not ``sc * (1 - sc)``, which cancels where sc is near 1); the z-loss adds
+   ``2 * lse / T * softmax(s)``.
+
+Example::
+
+    >>> logits = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    >>> r = moe_route(logits, 8)
+    >>> r.weights.shape, r.expert_ids.dtype, int(r.tokens_per_expert.sum())
+    (torch.Size([4096, 8]), torch.int32, 32768)
+    >>> (r.aux_loss * 1e-2 + r.z_loss * 1e-3).backward()
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from smptk.kernels import runtime
+from smptk.kernels._buffers import new_buffer
+from smptk.kernels._checks import check_float_tensor
+from smptk.kernels.moe_dispatch import new_index_buffer, row_offset
+
+SCORE_FUNCS = {"softmax": 0, "sigmoid": 1}
+
+# ROWS_PER_PROG tokens per program bound the partial rows to T/256 x E (256 KB at T = 64K, E = 256) and
+# leave 256 programs (~2 waves of 132 SMs) at that T. Sub-blocks of BLOCK_T tokens keep a
+# BLOCK_T x BLOCK_E tile at ~2K fp32 (BLOCK_T = clamp(TILE_ELEMS // BLOCK_E, 1, 32)). Untuned.
+_FWD_BLOCKS = {"ROWS_PER_PROG": 256, "TILE_ELEMS": 2048, "MAX_BLOCK_T": 32, "MAX_STATS_BLOCK_B": 32}
+# Interpreter: programs of 16 tokens in blocks of 8, so CPU tests at T <= 40 cross both boundaries.
+_FWD_BLOCKS_INTERPRETER = {"ROWS_PER_PROG": 16, "TILE_ELEMS": 64, "MAX_BLOCK_T": 8, "MAX_STATS_BLOCK_B": 2}
+
+
+def _blocks(E: int) -> dict[str, int]:
+    b = _FWD_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _FWD_BLOCKS
+    BLOCK_E = triton.next_power_of_2(E)
+    # Powers of two no larger than ROWS_PER_PROG (a power of two), so sub-blocks tile a program exactly.
+    BLOCK_T = max(1, min(b["TILE_ELEMS"] // BLOCK_E, b["MAX_BLOCK_T"], b["ROWS_PER_PROG"]))
+    return {
+        "BLOCK_E": BLOCK_E,
+        "BLOCK_T": BLOCK_T,
+        "ROWS_PER_PROG": b["ROWS_PER_PROG"],
+        # The stats kernel's [BLOCK_B, BLOCK_E] tiles: at most 4K elements.
+        "STATS_BLOCK_B": max(1, min(4096 // BLOCK_E, b["MAX_STATS_BLOCK_B"])),
+    }
+
+
+@triton.jit
+def _load_logits(logits_ptr, rows, e_idx, T, E, stride_lt, stride_le):
+    """fp32 logits ``[BLOCK_T, BLOCK_E]``: padded experts -inf (they vanish from softmax, sigmoid and max),
+    padded tokens 0 (finite, masked out later)."""
+    row_ok = rows < T
+    e_ok = e_idx < E
+    s = tl.load(
+        logits_ptr + rows[:, None] * stride_lt + row_offset(e_idx, stride_le)[None, :],
+        mask=row_ok[:, None] & e_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return tl.where(e_ok[None, :], s, -float("inf"))
+
+
+@triton.jit
+def _scores(s, SCORE_FUNC: tl.constexpr):
+    """From fp32 logits ``s [BLOCK_T, BLOCK_E]``: (score, router probability q, softmax p, logsumexp)."""
+    m = tl.max(s, axis=1)
+    ex = tl.exp(s - m[:, None])
+    den = tl.sum(ex, axis=1)
+    p = ex / den[:, None]
+    lse = m + tl.log(den)
+    if SCORE_FUNC == 0:
+        score = p
+        q = p
+    else:
+        score = 1.0 / (1.0 + tl.exp(-s))  # -inf (padding) -> 0
+        q = score / tl.sum(score, axis=1)[:, None]
+    return score, q, p, lse
+
+
+@triton.jit
+def _route_fwd_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    cnt_part_ptr,
+    q_part_ptr,
+    z_part_ptr,
+    T,
+    E,
+    top_k,
+    stride_lt,
+    stride_le,
+    SCORE_FUNC: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS_PER_PROG: tl.constexpr,
+):
+    """Top-k routing of tokens [pid * ROWS_PER_PROG, +ROWS_PER_PROG) plus this program's statistics.
+
+    logits_ptr: [T, E] any float with strides (stride_lt, stride_le). bias_ptr: [E] float (read if HAS_BIAS).
+    w_ptr: [T, k] fp32 and ids_ptr: [T, k] int32, contiguous.
+    cnt_part_ptr: [num_progs, E] int32 (picks per expert); q_part_ptr: [num_progs, E] fp32 (sum of q);
+    z_part_ptr: [num_progs] fp32 (sum of lse^2); row pid of each written in full.
+    """
+    pid = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < E
+    kk = tl.arange(0, BLOCK_K)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e_idx, mask=e_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    cnt = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    qsum = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    zsum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    row0 = row_offset(pid, ROWS_PER_PROG)
+    for r in range(0, ROWS_PER_PROG, BLOCK_T):
+        rows = row0 + r + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        s = _load_logits(logits_ptr, rows, e_idx, T, E, stride_lt, stride_le)
+        score, q, _, lse = _scores(s, SCORE_FUNC)
+        sel = score + bias[None, :]
+        avail = row_ok[:, None] & e_ok[None, :]
+        w_tile = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        id_tile = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+        for j in range(0, top_k):
+            cand = tl.where(avail, sel, -float("inf"))
+            best = tl.max(cand, axis=1)
+            # Lowest available id holding the maximum; if none compares equal (NaN), the lowest available id.
+            idx = tl.min(tl.where(avail & (cand == best[:, None]), e_idx[None, :], BLOCK_E), axis=1)
+            first = tl.min(tl.where(avail, e_idx[None, :], BLOCK_E), axis=1)
+            idx = tl.where(idx < BLOCK_E, idx, first)
+            pick = e_idx[None, :] == idx[:, None]
+            w = tl.sum(tl.where(pick, score, 0.0), axis=1)
+            avail = avail & ~pick
+            w_tile = tl.where(kk[None, :] == j, w[:, None], w_tile)
+            id_tile = tl.where(kk[None, :] == j, idx[:, None], id_tile)
+        if RENORMALIZE:
+            wsum = tl.where(row_ok, tl.sum(w_tile, axis=1), 1.0)  # padded tokens: no 0 / 0
+            w_tile = w_tile / wsum[:, None]
+        out_offs = rows[:, None] * top_k + kk[None, :]
+        out_mask = row_ok[:, None] & (kk < top_k)[None, :]
+        tl.store(w_ptr + out_offs, w_tile, mask=out_mask)
+        tl.store(ids_ptr + out_offs, id_tile, mask=out_mask)
+        picked = row_ok[:, None] & e_ok[None, :] & ~avail
+        cnt += tl.sum(picked.to(tl.int32), axis=0)
+        qsum += tl.sum(tl.where(row_ok[:, None] & e_ok[None, :], q, 0.0), axis=0)
+        zsum += tl.where(row_ok, lse * lse, 0.0)
+    part = row_offset(pid, E) + e_idx
+    tl.store(cnt_part_ptr + part, cnt, mask=e_ok)
+    tl.store(q_part_ptr + part, qsum, mask=e_ok)
+    tl.store(z_part_ptr + pid, tl.sum(zsum, axis=0))
+
+
+@triton.jit
+def _route_stats_kernel(
+    cnt_part_ptr,
+    q_part_ptr,
+    z_part_ptr,
+    counts_ptr,
+    aux_ptr,
+    z_ptr,
+    num_progs,
+    T,
+    E,
+    top_k,
+    BLOCK_B: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """One program: sums the partial rows over programs, in program order.
+
+    cnt_part_ptr, q_part_ptr: [num_progs, E] (int32, fp32); z_part_ptr: [num_progs] fp32.
+    counts_ptr: [E] int64 (tokens_per_expert); aux_ptr, z_ptr: [1] fp32 each (0 when T == 0).
+    """
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < E
+    cnt = tl.zeros((BLOCK_E,), dtype=tl.int64)
+    qsum = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    zsum = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    for b0 in range(0, num_progs, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        b_ok = b < num_progs
+        mask = b_ok[:, None] & e_ok[None, :]
+        offs = row_offset(b, E)[:, None] + e_idx[None, :]
+        cnt += tl.sum(tl.load(cnt_part_ptr + offs, mask=mask, other=0).to(tl.int64), axis=0)
+        qsum += tl.sum(tl.load(q_part_ptr + offs, mask=mask, other=0.0), axis=0)
+        zsum += tl.load(z_part_ptr + b, mask=b_ok, other=0.0)
+    tl.store(counts_ptr + e_idx, cnt, mask=e_ok)
+    t_f = tl.maximum(T * 1.0, 1.0)  # T = 0: every sum is 0, so both losses are 0
+    f = cnt.to(tl.float32) / (t_f * top_k)
+    aux = E * tl.sum(f * (qsum / t_f), axis=0)
+    tl.store(aux_ptr, aux)
+    tl.store(z_ptr, tl.sum(zsum, axis=0) / t_f)
+
+
+@triton.jit
+def _route_bwd_kernel(
+    logits_ptr,
+    ids_ptr,
+    dw_ptr,
+    counts_ptr,
+    daux_ptr,
+    dz_ptr,
+    dlogits_ptr,
+    T,
+    E,
+    top_k,
+    stride_lt,
+    stride_le,
+    stride_dwt,
+    stride_dwk,
+    SCORE_FUNC: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """dlogits for tokens [pid * BLOCK_T, +BLOCK_T) from the gradients of weights, aux_loss and z_loss.
+
+    logits_ptr: [T, E] with strides (stride_lt, stride_le); ids_ptr: [T, k] int32 contiguous;
+    dw_ptr: [T, k] fp32 with strides (stride_dwt, stride_dwk); counts_ptr: [E] int64;
+    daux_ptr, dz_ptr: [1] fp32; dlogits_ptr: [T, E] contiguous, logits' dtype.
+    """
+    rows = row_offset(tl.program_id(0), BLOCK_T) + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < E
+    s = _load_logits(logits_ptr, rows, e_idx, T, E, stride_lt, stride_le)
+    score, q, p, lse = _scores(s, SCORE_FUNC)
+    # Weights -> scores: G[t, e] = g[t, j] where e = ids[t, j].
+    G = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    picked = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+    ids_row = ids_ptr + rows * top_k
+    dw_ptrs = dw_ptr + rows * stride_dwt
+    for j in range(0, top_k):
+        idj = tl.load(ids_row + j, mask=row_ok, other=-1)
+        gj = tl.load(dw_ptrs, mask=row_ok, other=0.0)
+        dw_ptrs += stride_dwk  # 64-bit pointer step: no j * stride product
+        pick = e_idx[None, :] == idj[:, None]
+        G = tl.where(pick, gj.to(tl.float32)[:, None], G)
+        picked = picked | pick
+    if RENORMALIZE:
+        Z = tl.where(row_ok, tl.sum(tl.where(picked, score, 0.0), axis=1), 1.0)  # padded tokens: no 0 / 0
+        gw = tl.sum(G * score, axis=1) / Z  # sum_j g_j w_j
+        gsc = tl.where(picked, (G - gw[:, None]) / Z[:, None], 0.0)
+    else:
+        gsc = G
+    # aux_loss -> q: d aux / d q[t, e] = E * f_e / T = E * counts_e / (T^2 k), fp32 (T^2 passes int32).
+    t_f = tl.maximum(T * 1.0, 1.0)
+    counts = tl.load(counts_ptr + e_idx, mask=e_ok, other=0).to(tl.float32)
+    a = tl.load(daux_ptr) * E * counts / (t_f * t_f * top_k)
+    if SCORE_FUNC == 0:
+        gq = gsc + a[None, :]
+        ds = p * (gq - tl.sum(p * gq, axis=1)[:, None])
+    else:
+        ssum = tl.sum(score, axis=1)
+        gsc += (a[None, :] - tl.sum(a[None, :] * q, axis=1)[:, None]) / ssum[:, None]
+        ds = gsc * score / (1.0 + tl.exp(s))  # sigmoid' = sigmoid(s) * sigmoid(-s): no 1 - score cancellation
+    ds += (2.0 * tl.load(dz_ptr) / t_f) * lse[:, None] * p
+    tl.store(
+        dlogits_ptr + rows[:, None] * E + e_idx[None, :],
+        ds.to(dlogits_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & e_ok[None, :],
+    )
+
+
+class MoERouting(NamedTuple):
+    """What :func:`moe_route` returns (see the module docstring for the definitions)."""
+
+    weights: torch.Tensor  # [T, k] fp32
+    expert_ids: torch.Tensor  # [T, k] int32
+    tokens_per_expert: torch.Tensor  # [E] int64
+    aux_loss: torch.Tensor  # 0-d fp32
+    z_loss: torch.Tensor  # 0-d fp32
+
+
+def route_fwd(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, score_func: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton forward: ``(weights, expert_ids, tokens_per_expert, aux_loss [], z_loss [])``."""
+    T, E = logits_TE.shape
+    device = logits_TE.device
+    b = _blocks(E)
+    num_progs = triton.cdiv(T, b["ROWS_PER_PROG"])
+    weights = new_buffer((T, top_k), torch.float32, device)
+    ids = new_index_buffer((T, top_k), torch.int32, device)
+    cnt_part = new_index_buffer((num_progs, E), torch.int32, device)
+    q_part = new_buffer((num_progs, E), torch.float32, device)
+    z_part = new_buffer((num_progs,), torch.float32, device)
+    counts = new_index_buffer((E,), torch.int64, device)
+    aux = new_buffer((1,), torch.float32, device)
+    z = new_buffer((1,), torch.float32, device)
+    if num_progs:
+        _route_fwd_kernel[(num_progs,)](
+            logits_TE,
+            bias_E if bias_E is not None else logits_TE,
+            weights,
+            ids,
+            cnt_part,
+            q_part,
+            z_part,
+            T,
+            E,
+            top_k,
+            logits_TE.stride(0),
+            logits_TE.stride(1),
+            SCORE_FUNC=score_func,
+            RENORMALIZE=renormalize,
+            HAS_BIAS=bias_E is not None,
+            BLOCK_T=b["BLOCK_T"],
+            BLOCK_E=b["BLOCK_E"],
+            BLOCK_K=triton.next_power_of_2(top_k),
+            ROWS_PER_PROG=b["ROWS_PER_PROG"],
+        )
+    _route_stats_kernel[(1,)](
+        cnt_part,
+        q_part,
+        z_part,
+        counts,
+        aux,
+        z,
+        num_progs,
+        T,
+        E,
+        top_k,
+        BLOCK_B=b["STATS_BLOCK_B"],
+        BLOCK_E=b["BLOCK_E"],
+    )
+    return weights, ids, counts, aux.view(()), z.view(())
+
+
+def route_bwd(
+    dw_TK: torch.Tensor,
+    daux: torch.Tensor,
+    dz: torch.Tensor,
+    logits_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    counts_E: torch.Tensor,
+    score_func: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """Triton backward: dlogits ``[T, E]`` in logits' dtype."""
+    T, E = logits_TE.shape
+    dlogits = new_buffer((T, E), logits_TE.dtype, logits_TE.device)
+    if T == 0:
+        return dlogits
+    b = _blocks(E)
+    dw_TK = dw_TK.float()
+    _route_bwd_kernel[(triton.cdiv(T, b["BLOCK_T"]),)](
+        logits_TE,
+        ids_TK,
+        dw_TK,
+        counts_E,
+        daux.float().reshape(1),
+        dz.float().reshape(1),
+        dlogits,
+        T,
+        E,
+        ids_TK.shape[1],
+        logits_TE.stride(0),
+        logits_TE.stride(1),
+        dw_TK.stride(0),
+        dw_TK.stride(1),
+        SCORE_FUNC=score_func,
+        RENORMALIZE=renormalize,
+        BLOCK_T=b["BLOCK_T"],
+        BLOCK_E=b["BLOCK_E"],
+    )
+    return dlogits
+
+
+class MoERouteFunction(torch.autograd.Function):
+    """Autograd wrapper over the Triton forward and backward (inputs already checked)."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, bias_E, top_k: int, score_func: int, renormalize: bool):
+        weights, ids, counts, aux, z = route_fwd(logits_TE, bias_E, top_k, score_func, renormalize)
+        ctx.save_for_backward(logits_TE, ids, counts)
+        ctx.score_func = score_func
+        ctx.renormalize = renormalize
+        ctx.mark_non_differentiable(ids, counts)
+        return weights, ids, counts, aux, z
+
+    @staticmethod
+    def backward(ctx, dw_TK, _dids, _dcounts, daux, dz):
+        logits_TE, ids, counts = ctx.saved_tensors
+        dlogits = route_bwd(dw_TK, daux, dz, logits_TE, ids, counts, ctx.score_func, ctx.renormalize)
+        return dlogits, None, None, None, None
+
+
+def _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias) -> MoERouting:
+    T, E = logits.shape
+    s = logits.float()
+    if score_func == "softmax":
+        score = torch.softmax(s, dim=-1)
+        q = score
+    else:
+        score = torch.sigmoid(s)
+        q = score / score.sum(dim=-1, keepdim=True)
+    sel = score.detach() if expert_bias is None else score.detach() + expert_bias.float()
+    # A stable descending sort keeps equal keys in index order: ties go to the lower id.
+    ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = score.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    if T == 0:
+        zero = s.sum() * 0.0
+        return MoERouting(weights, ids.int(), counts, zero, zero.clone())
+    f = counts.float() / (T * top_k)
+    aux = E * (f * q.mean(dim=0)).sum()
+    z = torch.logsumexp(s, dim=-1).square().mean()
+    return MoERouting(weights, ids.int(), counts, aux, z)
+
+
+def moe_route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    renormalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+) -> MoERouting:
+    """Pick ``top_k`` experts per token and return their weights, the counts and the router losses.
+
+    Args:
+        logits: ``[T, E]`` router logits, float32, float16 or bfloat16, any strides. Scores are fp32.
+        top_k: k, ``1 <= k <= E``.
+        score_func: "softmax" or "sigmoid".
+        renormalize: divide each token's k weights by their sum.
+        expert_bias: None or ``[E]`` float (read as fp32) on logits' device, added to the scores for the
+            selection only (the weights and losses use the unbiased scores; it gets no gradient).
+
+    Returns:
+        :class:`MoERouting` ``(weights [T, k] fp32, expert_ids [T, k] int32, tokens_per_expert [E] int64,
+        aux_loss [] fp32, z_loss [] fp32)``. ``weights``, ``aux_loss`` and ``z_loss`` are differentiable in
+        logits. Ids are in descending selection order, lower id first on ties. Definitions and the sources
+        of the two losses in the module docstring.
+
+    Runs the Triton kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``, bf16 included: no tl.dot
+    here), the PyTorch path otherwise; ``SMPTK_KERNELS=triton|torch`` forces one.
+
+    Example::
+
+        >>> logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 1.0, 2.0], [1.0, 1.0, 0.0], [1.0, 0.0, 3.0]])
+        >>> r = moe_route(logits, 2)
+        >>> r.expert_ids.tolist(), r.tokens_per_expert.tolist()
+        ([[0, 2], [2, 1], [0, 1], [2, 0]], [3, 2, 3])
+        >>> [round(w, 3) for w in r.weights[3].tolist()], round(r.aux_loss.item(), 4)
+        ([0.881, 0.119], 1.0501)
+    """
+    check_float_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected a 2-D [T, E] tensor, got shape {tuple(logits.shape)}")
+    E = logits.shape[1]
+    if E == 0:
+        raise ValueError(f"logits: expected at least one expert (E >= 1), got shape {tuple(logits.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k: expected 1 <= top_k <= E = {E}, got {top_k}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func: {score_func!r} is not supported; expected one of {tuple(SCORE_FUNCS)}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__}")
+    if expert_bias is not None:
+        check_float_tensor("expert_bias", expert_bias)
+        if tuple(expert_bias.shape) != (E,):
+            raise ValueError(
+                f"expert_bias: expected shape ({E},) to match logits' E, got {tuple(expert_bias.shape)}"
+            )
+        if expert_bias.device != logits.device:
+            raise ValueError(f"expert_bias: on {expert_bias.device} but logits is on {logits.device}")
+    # No tl.dot here, so bf16 is exact under the interpreter: ask runtime about the device only.
+    if runtime.select_path(torch.empty(0, device=logits.device)) == "torch":
+        return _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias)
+    bias = expert_bias.detach().contiguous() if expert_bias is not None else None
+    out = MoERouteFunction.apply(logits, bias, top_k, SCORE_FUNCS[score_func], renormalize)
+    return MoERouting(*out)
