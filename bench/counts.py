@@ -77,3 +77,102 @@ def collective_counts(kind: str, *, world: int, size_bytes: int) -> dict[str, fl
         # all-gather / reduce-scatter: (W-1) blocks of size/W; all-to-all: (W-1) of the W segments.
         peer = others * size_bytes
     return {"size_bytes": size_bytes, "busbw_factor": factor, "peer_bytes": round(peer)}
+
+
+# Mixture-of-Experts. Legend: T tokens, H hidden size, F expert FFN width, E experts, k experts per token,
+# P = T * k routed (token, expert) pairs (dropless: every pair is computed).
+
+
+def moe_layer_flops(*, tokens: int, hidden: int, ffn: int, experts: int, top_k: int, backward: bool) -> int:
+    """GEMM FLOPs of a top-k SwiGLU MoE layer: the router ``[T, H] x [H, E]`` plus 3 GEMMs per routed pair.
+
+    Forward = ``2*T*H*E + 3 * 2*T*k*H*F`` (gate, up and down projections of each of the T*k pairs);
+    with the backward 3x that (dx and dW, one GEMM each per forward GEMM). Routing, gathers, the SwiGLU
+    product and the weighted combine are O(T*k*(H + F)) and not counted, as in :func:`linear_flops`.
+
+    Example::
+
+        >>> moe_layer_flops(tokens=4096, hidden=4096, ffn=14336, experts=8, top_k=2, backward=False)
+        2886486458368
+    """
+    router = 2 * tokens * hidden * experts
+    experts_fwd = 3 * 2 * tokens * top_k * hidden * ffn
+    forward = router + experts_fwd
+    return forward * 3 if backward else forward
+
+
+def moe_layer_bytes(
+    *, tokens: int, hidden: int, ffn: int, experts: int, top_k: int, elem: int, backward: bool
+) -> int:
+    """Compulsory bytes of the MoE layer as a function of x and its weights, every tensor in ``elem``.
+
+    Forward reads x ``[T, H]``, the router ``[E, H]`` and the expert weights ``3 x [E, F, H]`` and writes
+    y ``[T, H]``; the backward reads dy, x and the weights again and writes dx and every weight gradient.
+    ``top_k`` does not enter: the grouped rows are intermediates (see :func:`moe_routing_bytes` for them).
+    """
+    del top_k  # part of the signature so every MoE count takes the same shape arguments
+    x = tokens * hidden
+    weights = experts * hidden + 3 * experts * ffn * hidden
+    fwd = x + weights + x
+    if not backward:
+        return fwd * elem
+    bwd = x + x + weights + x + weights  # dy, x, weights read; dx, dW written
+    return (fwd + bwd) * elem
+
+
+def moe_routing_bytes(
+    *, tokens: int, hidden: int, experts: int, top_k: int, elem: int, backward: bool, logit_elem: int = 4
+) -> int:
+    """Compulsory bytes of moe_route + moe_dispatch + moe_combine, each op's inputs and outputs once.
+
+    Forward: route reads the logits ``[T, E]`` (``logit_elem``, fp32 in the layer) and writes the fp32
+    weights and int32 ids ``[T, k]``; dispatch reads x ``[T, H]`` and writes the grouped rows ``[P, H]``;
+    combine reads the experts' rows ``[P, H]`` and the weights and writes ``[T, H]``. Backward: combine
+    reads dout ``[T, H]``, the weights and the rows and writes drows ``[P, H]`` and dweights ``[P]``
+    (fp32); dispatch reads ``[P, H]`` and writes dx ``[T, H]``; route reads dweights and the logits and
+    writes dlogits. The dispatch plan's index arrays (O(P) int64) are left out.
+
+    Example::
+
+        >>> moe_routing_bytes(tokens=7, hidden=16, experts=4, top_k=2, elem=2, backward=False)
+        1624
+    """
+    T, H, E, k = tokens, hidden, experts, top_k
+    P = T * k
+    route = T * E * logit_elem + P * 4 + P * 4
+    dispatch = T * H * elem + P * H * elem
+    combine = P * H * elem + P * 4 + T * H * elem
+    fwd = route + dispatch + combine
+    if not backward:
+        return fwd
+    combine_b = T * H * elem + P * 4 + P * H * elem + P * H * elem + P * 4
+    dispatch_b = P * H * elem + T * H * elem
+    route_b = P * 4 + 2 * T * E * logit_elem
+    return fwd + combine_b + dispatch_b + route_b
+
+
+def moe_memory_estimate(
+    *, tokens: int, hidden: int, ffn: int, experts: int, top_k: int, elem: int, backward: bool
+) -> int:
+    """Upper estimate of the device bytes one MoE layer benchmark case holds at its peak (not a measurement).
+
+    Weights (and their gradients with the backward), the fp32 copies the router and the fp32 correctness
+    reference make (x, logits, the weights once more at 4 bytes, one expert's fp32 intermediates), and
+    activations bounded by ``T*H*3 + P*(3*H + 6*F)`` elements: x, dx and y, and per pair the gathered row,
+    the expert output and its weighted copy plus six F-wide tensors (gate, up, their SwiGLU product and
+    activation, or the saved ``[g | u]`` pre-activation). The backward doubles the activations (their
+    gradients). Used to skip a case, with this number in the reason, when the device has less free memory.
+
+    Example::
+
+        >>> moe_memory_estimate(tokens=7, hidden=16, ffn=24, experts=4, top_k=2, elem=2, backward=False)
+        36096
+    """
+    T, H, F, E, k = tokens, hidden, ffn, experts, top_k
+    P = T * k
+    weights = (E * H + 3 * E * F * H) * elem
+    acts = (T * H * 3 + P * (3 * H + 6 * F)) * elem
+    fp32_copies = 4 * (T * H + T * E) + 4 * (E * H + 3 * E * F * H) + 4 * (P * 3 * F // max(E, 1) + T * H)
+    if backward:
+        return 2 * weights + 2 * acts + fp32_copies
+    return weights + acts + fp32_copies

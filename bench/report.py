@@ -1,8 +1,10 @@
 """Self-contained HTML report from benchmark rows (JSON lines): tables, inline SVG charts, environment.
 
 Everything shown comes from the rows: medians, spreads and throughputs are the rows' own numbers, and
-derived columns are ratios of rows of the same run (speedup = torch_eager median / median; "% of matmul"
-= TFLOP/s / torch_matmul TFLOP/s). A missing implementation shows as a dash, never as an estimate.
+derived columns are ratios of rows of the same run (speedup = baseline median / median, the baseline
+being torch_eager or the suite's own, :data:`SUITE_BASELINES`; "% of matmul" = TFLOP/s / torch_matmul
+TFLOP/s). A missing implementation shows as a dash, never as an estimate. Sections whose rows count no
+FLOPs (MoE routing) chart GB/s; rows with a ``routing_share`` (MoE layer) get a column for it.
 The page has no script, no external CSS or font, and the charts are SVG written here.
 
 Collective benchmarks (suites ``comm_simulated`` and ``comm_interference``, see
@@ -37,7 +39,15 @@ from typing import Any
 
 from bench.rows import read_rows
 
-IMPL_ORDER = ("smptk", "torch_eager", "torch_compile", "torch_matmul")
+IMPL_ORDER = (
+    "smptk",
+    "smptk_routing",
+    "torch_eager",
+    "eager_loop",
+    "torch_grouped_mm",
+    "torch_compile",
+    "torch_matmul",
+)
 IMPL_COLORS = {
     "smptk": "#c0392b",
     "torch_eager": "#2e6da4",
@@ -46,6 +56,8 @@ IMPL_COLORS = {
 }
 _EXTRA_COLORS = ("#8e5ea2", "#e08a1e", "#17a2b8", "#6b4f2a", "#d35d8e", "#5b8c2a", "#3b4cc0", "#b8860b")
 BASELINE = "torch_eager"
+# Suites whose plain-PyTorch baseline has another name (bench/test_bench_moe.py: the HF-style expert loop).
+SUITE_BASELINES = {"moe": "eager_loop"}
 CEILING = "torch_matmul"
 
 _CSS = """
@@ -155,9 +167,15 @@ def pct_of_ceiling(rows: list[dict[str, Any]], row: dict[str, Any]) -> float | N
     return 100 * mine / theirs if mine and theirs else None
 
 
-def speedup_vs(rows: list[dict[str, Any]], row: dict[str, Any], impl: str = BASELINE) -> float | None:
-    """``impl``'s median time / ``row``'s median time within the same run and case; None when absent."""
-    peer = _peer(rows, row, impl)
+def baseline_of(row: dict[str, Any]) -> str:
+    """The impl a row's speedup is measured against: ``torch_eager``, or its suite's own baseline."""
+    return SUITE_BASELINES.get(str(row.get("suite")), BASELINE)
+
+
+def speedup_vs(rows: list[dict[str, Any]], row: dict[str, Any], impl: str | None = None) -> float | None:
+    """``impl``'s (default: :func:`baseline_of`) median time / ``row``'s within the same run and case;
+    None when absent."""
+    peer = _peer(rows, row, impl or baseline_of(row))
     mine, theirs = _median_s(row), (_median_s(peer) if peer else None)
     return theirs / mine if mine and theirs else None
 
@@ -261,6 +279,10 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
         if _shape_key(r) not in shapes:
             shapes.append(_shape_key(r))
     notes = sorted({r["note"] for r in section if r.get("note")})
+    baseline = SUITE_BASELINES.get(suite, BASELINE)
+    # Rows that count no FLOPs (MoE routing: gathers and scatters) are charted in GB/s instead.
+    unit = "TFLOP/s" if any((_num(r, "flops") or 0) > 0 for r in section) else "GB/s"
+    shares = any("routing_share" in r for r in section)
 
     values: dict[tuple[str, str], tuple[float, float, float]] = {}
     body = []
@@ -274,7 +296,12 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
             med = _median_s(r)
             tflops = _tflops_at(r, med)
             group = _shape_label(r.get("shape"))
-            if tflops is not None:
+            if unit == "GB/s":
+                nbytes = _num(r, "bytes")
+                if med and nbytes:
+                    gbps = nbytes / med / 1e9
+                    values[(group, r["impl"])] = (gbps, _at_time(r, nbytes, "q3"), _at_time(r, nbytes, "q1"))
+            elif tflops is not None:
                 values[(group, r["impl"])] = (
                     tflops,
                     _tflops_at(r, t.get("q3")) or 0.0,
@@ -285,6 +312,9 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
             check = r.get("check") or {}
             iqr_ms = t.get("iqr") * 1e3 if isinstance(t.get("iqr"), (int, float)) else None
             rel = t.get("iqr_rel")
+            share = _num(r, "routing_share")
+            share_text = _fmt(100 * share, 3) + "%" if share is not None else "—"
+            share_td = f"<td>{share_text}</td>" if shares else ""
             body.append(
                 f'<tr class="{"best" if med is not None and med == best else ""}">'
                 f'<td class="l">{_esc(group)}</td><td class="l">{_esc(r.get("impl"))}</td>'
@@ -297,16 +327,18 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
                 f"<td>{_fmt(speed, 3) + '×' if speed else '—'}</td>"
                 f"<td>{_fmt(pct, 3) + '%' if pct else '—'}</td>"
                 f"<td>{_esc(r.get('rounds'))}</td>"
-                f"<td>{_fmt(check.get('max_abs_err'), 2) if check else '—'}</td></tr>"
+                f"<td>{_fmt(check.get('max_abs_err'), 2) if check else '—'}</td>{share_td}</tr>"
             )
     head = (
         "<tr><th class='l'>shape</th><th class='l'>impl</th><th class='l'>path</th><th>median ms</th>"
         "<th>IQR ms (% of median)</th><th>min ms</th><th>TFLOP/s</th><th>GB/s (compulsory)</th>"
-        f"<th>speedup vs {BASELINE}</th><th>% of {CEILING} TFLOP/s</th><th>rounds</th>"
-        "<th>max abs err vs fp32</th></tr>"
+        f"<th>speedup vs {baseline}</th><th>% of {CEILING} TFLOP/s</th><th>rounds</th>"
+        "<th>max abs err vs fp32</th>"
+        + ("<th>routing + dispatch + combine, % of layer time</th>" if shares else "")
+        + "</tr>"
     )
     note_html = "".join(f'<p class="note">{_esc(n)}</p>' for n in notes)
-    chart = svg_bar_chart([_shape_label(dict(s)) for s in shapes], impls, values, unit="TFLOP/s")
+    chart = svg_bar_chart([_shape_label(dict(s)) for s in shapes], impls, values, unit=unit)
     return (
         f'<section><h2>{_esc(label)} — {_esc(pass_)} — {_esc(dtype)} <span class="muted">({_esc(suite)})'
         f"</span></h2>{note_html}{chart}<table>{head}{''.join(body)}</table></section>"
@@ -314,7 +346,10 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
 
 
 def _summary_html(rows: list[dict[str, Any]], sections: dict[tuple, list[dict]]) -> str:
-    """Per section: geometric-mean speedup of smptk vs torch_eager and smptk's % of torch_matmul."""
+    """Per section: geometric-mean speedup of smptk vs torch_eager (or its suite's baseline, see
+    :data:`SUITE_BASELINES`) and smptk's % of torch_matmul."""
+    others = sorted({(key[0], SUITE_BASELINES[key[0]]) for key in sections if key[0] in SUITE_BASELINES})
+    baseline_text = BASELINE + (f" ({'; '.join(f'{s} suite: {b}' for s, b in others)})" if others else "")
     lines = []
     for key, section in sections.items():
         ours = [r for r in section if r.get("impl") == "smptk"]
@@ -329,7 +364,7 @@ def _summary_html(rows: list[dict[str, Any]], sections: dict[tuple, list[dict]])
         )
     return (
         "<h2>Summary (smptk)</h2><table><tr><th class='l'>op</th><th class='l'>pass</th><th class='l'>dtype"
-        f"</th><th>shapes</th><th>geo-mean speedup vs {BASELINE}</th><th>lowest % of {CEILING} TFLOP/s"
+        f"</th><th>shapes</th><th>geo-mean speedup vs {baseline_text}</th><th>lowest % of {CEILING} TFLOP/s"
         "</th></tr>" + "".join(lines) + "</table>"
     )
 

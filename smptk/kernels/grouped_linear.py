@@ -1,0 +1,307 @@
+"""Grouped GEMM for Mixture-of-Experts: one launch computes every expert's linear layer.
+
+``grouped_linear``: ``y[rows of e] = act(x[rows of e] @ weight[e].T + bias[e])`` for every expert e, and
+``grouped_swiglu``: ``y[rows of e] = silu(x_e @ w_gate[e].T) * (x_e @ w_up[e].T)``, forward and backward in
+Triton. Rows of x are grouped by expert (``moe_dispatch`` output): expert e owns rows
+``offsets[e]:offsets[e + 1]``.
+
+Legend: T tokens (rows of x), K input features, N output features, E experts. x ``[T, K]``, weight
+``[E, N, K]`` (a stack of nn.Linear weights), bias ``[E, N]``, offsets ``[E + 1]`` int64 with
+``offsets[0] == 0``, ``offsets[E] == T``, non-decreasing; y ``[T, N]`` in x's dtype. Inside a kernel a
+generic grouped product is ``out[T, C] = a[T, R] @ b[e][R, C]`` (R the reduction, C output columns).
+
+Schedule. A row tile never straddles two experts: expert e's rows are cut into ``cdiv(rows_e, BLOCK_M)``
+tiles of its own (the last one partial), so each tile multiplies by one weight. Tile ids are numbered
+expert by expert. The host knows T and E but not the offsets (reading them would stall the stream and
+break CUDA graphs), so it launches an upper bound of ``T // BLOCK_M + min(E, T)`` row tiles (each expert
+adds at most one partial tile) times the column tiles, and each program finds its expert itself:
+``expert_row_tile`` reads the offsets EXPERT_BLOCK experts at a time, forms the per-expert tile counts
+and their prefix sum in registers, and picks the expert whose tile range holds its tile id. Programs past
+the last tile return at once. Cost estimate (no GPU measurement yet): one or two vector loads of offsets
+per program against a K loop of K / BLOCK_K MMA steps, and at most ``min(E, T) x cdiv(N, BLOCK_N)`` idle
+programs (64 x 112 at E=64, N=14336), each a load and an exit. A host-built tile table would need either
+that host read or a second launch per BLOCK_M the autotuner tries; the scan needs neither.
+
+Weight gradients are a reduction over each expert's rows: ``dweight[e] = dz_e.T @ x_e`` runs as one launch
+over (E, N tiles, K tiles) whose programs loop over their expert's rows, and the programs of the first
+K tile also sum dz's columns for ``dbias[e]`` (deterministic, no atomics). An empty expert's programs run
+no iterations and store zeros: its weight and bias gradients are exactly zero. ``dx`` is the forward's
+grouped product with ``dz`` and ``weight[e]`` (no transpose needed, strides pick the layout). As in
+fused_linear / swiglu, the pre-activation (``z``, or swiglu's ``[g | u]``) is saved in x's dtype for the
+backward instead of recomputed (recomputing costs one or two more GEMMs).
+
+Worked example, E = 3, offsets = [0, 2, 2, 5] (T = 5), with BLOCK_M = 2 for illustration::
+
+    expert 0: rows 0-1 -> 1 tile (rows 0, 1)          y[0:2] = act(x[0:2] @ w[0].T + b[0])
+    expert 1: no rows  -> 0 tiles                     dweight[1] = 0, dbias[1] = 0 exactly
+    expert 2: rows 2-4 -> 2 tiles (rows 2, 3; row 4)  y[2:5] = act(x[2:5] @ w[2].T + b[2])
+    tiles per expert [1, 0, 2], prefix sums [1, 1, 3]: tile 0 -> expert 0, tiles 1 and 2 -> expert 2.
+    grid: 5 // 2 + min(3, 5) = 5 row tiles; the programs of tiles 3 and 4 return without work.
+
+The kernels, their tunables and launchers live in ``_grouped_gemm.py`` (split off to keep each file under
+about 600 lines); this file holds the checks, the autograd wiring and the PyTorch path.
+
+Offsets are validated (dtype, shape, device) on every call. Their values (``offsets[0] == 0``,
+``offsets[E] == T``, non-decreasing) need a device read: they are checked when the offsets live on the
+CPU (no sync to pay), on the PyTorch path (which reads them anyway), or on any device when
+``SMPTK_CHECK_OFFSETS=1`` (debug; one host sync per call).
+Unchecked bad offsets give wrong results but never touch memory out of bounds: the kernels clamp every
+expert's row range into ``[0, T]``. Addresses are int64 throughout (``rows * stride`` can pass 2^31).
+
+Example::
+
+    >>> x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    >>> w = torch.randn(3, 128, 64, device="cuda", dtype=torch.bfloat16)
+    >>> offsets = torch.tensor([0, 2, 2, 5], device="cuda")
+    >>> grouped_linear(x, w, offsets, activation="gelu").shape
+    torch.Size([5, 128])
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from smptk.kernels import _grouped_gemm, _matmul, runtime
+from smptk.kernels._buffers import new_buffer
+from smptk.kernels._checks import (
+    autocast_inputs,
+    check_activation,
+    check_float_tensor,
+    check_input,
+    check_same,
+)
+from smptk.kernels._matmul import ACTIVATION_CODES
+from smptk.kernels.fused_linear import activation_backward
+
+CHECK_OFFSETS_ENV = "SMPTK_CHECK_OFFSETS"
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Autograd over the Triton forward and backward (inputs checked, offsets int64 contiguous)."""
+
+    @staticmethod
+    def forward(ctx, x_TK, w_ENK, offsets, bias_EN, activation: int):
+        T, N = x_TK.shape[0], w_ENK.shape[1]
+        save_z = activation != _matmul.ACT_NONE and any(ctx.needs_input_grad[:4])
+        y = new_buffer((T, N), x_TK.dtype, x_TK.device)
+        z = new_buffer((T, N), x_TK.dtype, x_TK.device) if save_z else None
+        _grouped_gemm.grouped_matmul(
+            x_TK, w_ENK.transpose(1, 2), offsets, y, bias_EC=bias_EN, activation=activation, z_TC=z
+        )
+        ctx.save_for_backward(x_TK, w_ENK, offsets, z)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_TN):
+        x_TK, w_ENK, offsets, z = ctx.saved_tensors
+        need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
+        dz, _ = activation_backward(dy_TN, z, ctx.activation, False, w_ENK.dtype)
+        dx = dw = db = None
+        if need_dx:
+            dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
+            if w_ENK.shape[1] == 0:
+                dx.zero_()
+            else:
+                _grouped_gemm.grouped_matmul(dz, w_ENK, offsets, dx)
+        if need_dw:
+            dw = new_buffer(w_ENK.shape, w_ENK.dtype, w_ENK.device)
+        if need_db:
+            db = new_buffer(w_ENK.shape[:2], w_ENK.dtype, w_ENK.device)
+        if need_dw or need_db:
+            _grouped_gemm.grouped_weight_grad(dz, x_TK, offsets, dw, db)
+        return dx, dw, None, db, None
+
+
+class GroupedSwiGLUFunction(torch.autograd.Function):
+    """Autograd over the Triton forward and backward (inputs checked, offsets int64 contiguous)."""
+
+    @staticmethod
+    def forward(ctx, x_TK, wg_ENK, wu_ENK, offsets):
+        T, N = x_TK.shape[0], wg_ENK.shape[1]
+        save_h = any(ctx.needs_input_grad[:3])
+        y = new_buffer((T, N), x_TK.dtype, x_TK.device)
+        h = new_buffer((T, 2 * N), x_TK.dtype, x_TK.device) if save_h else None
+        _grouped_gemm.grouped_swiglu_fwd(x_TK, wg_ENK, wu_ENK, offsets, y, h)
+        ctx.save_for_backward(x_TK, wg_ENK, wu_ENK, offsets, h)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_TN):
+        x_TK, wg_ENK, wu_ENK, offsets, h = ctx.saved_tensors
+        need_dx, need_dwg, need_dwu = ctx.needs_input_grad[:3]
+        N = wg_ENK.shape[1]
+        dh = _grouped_gemm.swiglu_dh(dy_TN, h)
+        dx = dwg = dwu = None
+        if need_dx:
+            dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
+            if N == 0:
+                dx.zero_()
+            else:
+                _grouped_gemm.grouped_matmul(dh[:, :N], wg_ENK, offsets, dx, a2_TR=dh[:, N:], b2_ERC=wu_ENK)
+        if need_dwg or need_dwu:
+            # [dw_gate | dw_up] = dh_e.T @ x_e: one launch, x read once for both halves.
+            dw = new_buffer((wg_ENK.shape[0], 2 * N, x_TK.shape[1]), wg_ENK.dtype, wg_ENK.device)
+            _grouped_gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
+            dwg = dw[:, :N] if need_dwg else None
+            dwu = dw[:, N:] if need_dwu else None
+        return dx, dwg, dwu, None
+
+
+# --- checks and the PyTorch path ------------------------------------------------------------------------
+
+
+def _check_expert_weight(name: str, w: object, x: torch.Tensor) -> torch.Tensor:
+    check_float_tensor(name, w)
+    check_same(name, w, "x", x)
+    if w.dim() != 3:
+        raise ValueError(
+            f"{name}: expected a 3-D [E, N, K] weight (one [N, K] per expert), got {tuple(w.shape)}"
+        )
+    if w.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one expert, got shape {tuple(w.shape)}")
+    if w.shape[2] != x.shape[1]:
+        raise ValueError(f"{name}: shape {tuple(w.shape)} needs K={w.shape[2]} but x has {x.shape[1]}")
+    return w
+
+
+def _check_x(x: object) -> None:
+    check_input(x)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [T, K] input (rows grouped by expert), got {tuple(x.shape)}")
+
+
+def _check_offsets(offsets: object, x: torch.Tensor, E: int, path: str) -> torch.Tensor:
+    """Return ``offsets`` as a contiguous int64 tensor. Dtype, shape and device are always checked; the
+    values when they cost no sync: on CPU, on the torch path (which reads them anyway), or when
+    ``SMPTK_CHECK_OFFSETS=1``."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets: expected a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"offsets: dtype {offsets.dtype} is not supported; expected int64 (or int32)")
+    if offsets.shape != (E + 1,):
+        raise ValueError(f"offsets: expected shape ({E + 1},) for E={E} experts, got {tuple(offsets.shape)}")
+    if offsets.device != x.device:
+        raise ValueError(f"offsets: on {offsets.device} but x is on {x.device}")
+    offsets = offsets.to(torch.int64).contiguous()
+    debug = os.environ.get(CHECK_OFFSETS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    if offsets.device.type == "cpu" or path == "torch" or debug:
+        T = x.shape[0]
+        first, last = (int(v) for v in offsets[[0, -1]].tolist())
+        if first != 0 or last != T:
+            raise ValueError(
+                f"offsets: expected offsets[0] == 0 and offsets[-1] == T == {T}, got {first}, {last}"
+            )
+        if bool((offsets[1:] < offsets[:-1]).any()):
+            e = int((offsets[1:] < offsets[:-1]).nonzero()[0])
+            raise ValueError(f"offsets: must be non-decreasing, but offsets[{e + 1}] < offsets[{e}]")
+    return offsets
+
+
+_TORCH_ACTIVATIONS = {
+    None: lambda z: z,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _per_expert(x, offsets, fn) -> torch.Tensor:
+    """Concatenate ``fn(e, x_e)`` over experts; one host read of the offsets (the PyTorch path only).
+    Empty experts run too, so their weights get exact-zero gradients from autograd."""
+    bounds = offsets.tolist()
+    return torch.cat([fn(e, x[bounds[e] : bounds[e + 1]]) for e in range(len(bounds) - 1)])
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``act(x_e @ weight[e].T + bias[e])`` for every expert e, one kernel launch for all of them.
+
+    Args:
+        x: ``[T, K]`` float32, float16 or bfloat16, rows grouped by expert; any strides.
+        weight: ``[E, N, K]``, x's dtype and device.
+        offsets: ``[E + 1]`` int64 (int32 accepted) on x's device: expert e owns rows
+            ``offsets[e]:offsets[e + 1]``; ``offsets[0] == 0``, ``offsets[E] == T``, non-decreasing
+            (values checked on CPU, on the PyTorch path, or with ``SMPTK_CHECK_OFFSETS=1``; see the
+            module docstring).
+        bias: ``[E, N]`` or None.
+        activation: None, "relu", "gelu" (erf form), "gelu_tanh" or "silu".
+
+    Returns:
+        ``[T, N]`` in x's dtype; differentiable in x, weight and bias (empty experts get exact zeros).
+
+    Honours ``torch.autocast`` like ``fused_linear``; ``SMPTK_KERNELS=triton|torch`` picks the path.
+
+    Example::
+
+        >>> x, w = torch.randn(5, 64), torch.randn(3, 32, 64)
+        >>> grouped_linear(x, w, torch.tensor([0, 2, 2, 5]), bias=torch.zeros(3, 32), activation="silu").shape
+        torch.Size([5, 32])
+    """
+    _check_x(x)
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    _check_expert_weight("weight", weight, x)
+    check_activation(activation)
+    E, N = weight.shape[:2]
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        check_same("bias", bias, "x", x)
+        if bias.shape != (E, N):
+            raise ValueError(
+                f"bias: expected shape ({E}, {N}) to match weight's [E, N], got {tuple(bias.shape)}"
+            )
+    path = runtime.select_path(x, weight)
+    offsets = _check_offsets(offsets, x, E, path)
+    if path == "torch":
+        act = _TORCH_ACTIVATIONS[activation]
+        return _per_expert(
+            x, offsets, lambda e, xe: act(F.linear(xe, weight[e], None if bias is None else bias[e]))
+        )
+    if bias is not None and bias.stride(1) != 1:
+        bias = bias.contiguous()  # the epilogue reads bias rows as contiguous [N] vectors
+    return GroupedLinearFunction.apply(x, weight, offsets, bias, ACTIVATION_CODES[activation])
+
+
+def grouped_swiglu(
+    x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """``silu(x_e @ weight_gate[e].T) * (x_e @ weight_up[e].T)`` per expert, one launch, x read once per tile.
+
+    Args:
+        x: ``[T, K]``, rows grouped by expert; weight_gate, weight_up: ``[E, N, K]`` each, x's dtype and
+            device; offsets: as in :func:`grouped_linear`.
+
+    Returns:
+        ``[T, N]`` in x's dtype; differentiable in x and both weights.
+
+    Example::
+
+        >>> x, wg, wu = torch.randn(5, 64), torch.randn(3, 172, 64), torch.randn(3, 172, 64)
+        >>> grouped_swiglu(x, wg, wu, torch.tensor([0, 2, 2, 5])).shape
+        torch.Size([5, 172])
+    """
+    _check_x(x)
+    x, weight_gate, weight_up = autocast_inputs(x, weight_gate, weight_up)
+    _check_expert_weight("weight_gate", weight_gate, x)
+    _check_expert_weight("weight_up", weight_up, x)
+    if weight_up.shape != weight_gate.shape:
+        raise ValueError(
+            f"weight_up: shape {tuple(weight_up.shape)} must equal weight_gate's {tuple(weight_gate.shape)}"
+        )
+    path = runtime.select_path(x, weight_gate)
+    offsets = _check_offsets(offsets, x, weight_gate.shape[0], path)
+    if path == "torch":
+        return _per_expert(
+            x, offsets, lambda e, xe: F.silu(F.linear(xe, weight_gate[e])) * F.linear(xe, weight_up[e])
+        )
+    return GroupedSwiGLUFunction.apply(x, weight_gate, weight_up, offsets)

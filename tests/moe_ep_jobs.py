@@ -1,0 +1,111 @@
+"""The multi-rank side of ``tests/test_moe_ep.py``: expert-parallel MoE on W gloo ranks vs one device.
+
+Every rank builds the same full set of weights from one seed, an expert-parallel layer
+(``ep_group`` = the world) holding its E / W experts, and a single-device layer holding all E. Each rank
+feeds its own tokens to both and compares:
+
+- the output (the same kernels run the same rows, so only row order inside an expert differs);
+- the gradients of x and of the router (replicated: each rank's own tokens only);
+- the gradients of its local experts against the single-device gradients of those experts summed over
+  all ranks' tokens (an all_reduce of the single-device gradients, with gloo).
+
+Cases: even routing; a rank with no tokens at all; every token of every rank routed to rank 0's first
+expert, so the other ranks receive nothing; capacity drops; shared experts; sigmoid scores.
+
+Example::
+
+    >>> from comm_harness import run_ranks
+    >>> run_ranks("moe_ep_jobs:run", world=2, timeout_s=300).values[0]   # {case: None or problems}
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from smptk.parallel import MoE
+
+H, F_, E = 12, 20, 8
+REL = 1e-4  # of the reference's largest value; see tests/test_moe_layer.py for why
+
+CASES = {
+    "even": {"top_k": 2},
+    "rank1_no_tokens": {"top_k": 2, "tokens": {1: 0}},
+    "all_to_rank0": {"top_k": 1, "skew": True},
+    "capacity": {"top_k": 2, "capacity_factor": 0.5},
+    "shared_sigmoid": {"top_k": 3, "score_func": "sigmoid", "num_shared_experts": 1, "aux_loss_coef": 0.01},
+}
+
+
+def _pair(world: int, rank: int, group: dist.ProcessGroup, **options) -> tuple[MoE, MoE]:
+    """(expert-parallel layer, single-device layer) with the same weights on every rank."""
+    full = MoE(H, F_, E, **options)
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.copy_(torch.randn(p.shape) * (0.5 if p is full.router_weight else p.shape[-1] ** -0.5))
+    ep = MoE(H, F_, E, ep_group=group, **options)
+    lo = rank * (E // world)
+    with torch.no_grad():
+        ep.router_weight.copy_(full.router_weight)
+        for name in ("w_gate", "w_up", "w_down"):
+            getattr(ep, name).copy_(getattr(full, name)[lo : lo + E // world])
+        for name in ("shared_gate", "shared_up", "shared_down"):
+            if hasattr(full, name):
+                getattr(ep, name).copy_(getattr(full, name))
+    return ep, full
+
+
+def _compare(problems: list[str], name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    if got.shape != ref.shape:
+        problems.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+        return
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    if not err <= REL * scale + 1e-6:
+        problems.append(f"{name}: max |error| {err:.3g} > {REL} x {scale:.3g}")
+
+
+def run_case(world: int, rank: int, name: str, options: dict) -> list[str]:
+    options = dict(options)
+    tokens = options.pop("tokens", {}).get(rank, 5 + 3 * rank)
+    skew = options.pop("skew", False)
+    group = dist.group.WORLD
+    ep, full = _pair(world, rank, group, **options)
+    if skew:
+        with torch.no_grad():
+            for layer in (ep, full):
+                layer.router_weight.zero_()
+                layer.router_weight[0] = 1.0  # positive inputs: expert 0 (rank 0's) wins every token
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.rand(tokens, H, generator=gen) + (0.1 if skew else -0.5)
+    x_ep = x.clone().requires_grad_()
+    x_full = x.clone().requires_grad_()
+    dy = torch.randn(tokens, H, generator=gen)
+    y_ep = ep(x_ep)
+    y_full = full(x_full)
+    ((y_ep * dy).sum() + ep.aux_loss).backward()
+    ((y_full * dy).sum() + full.aux_loss).backward()
+    problems: list[str] = []
+    _compare(problems, "y", y_ep.detach(), y_full.detach())
+    _compare(problems, "dx", x_ep.grad, x_full.grad)
+    _compare(problems, "drouter", ep.router_weight.grad, full.router_weight.grad)
+    lo = rank * (E // world)
+    for wname in ("w_gate", "w_up", "w_down"):
+        total = getattr(full, wname).grad.clone()
+        dist.all_reduce(total)  # every rank's tokens reach this rank's experts
+        _compare(problems, f"d{wname}", getattr(ep, wname).grad, total[lo : lo + E // world])
+    if skew and rank != 0:
+        for wname in ("w_gate", "w_up", "w_down"):
+            grad = getattr(ep, wname).grad
+            if not torch.equal(grad, torch.zeros_like(grad)):
+                problems.append(f"d{wname}: experts that received no tokens got a nonzero gradient")
+    return [f"{name} (rank {rank}): {p}" for p in problems]
+
+
+def run(rank: int, world: int) -> dict[str, str | None]:
+    """Every case on every rank, in order; {case: None or the problems}."""
+    outcomes: dict[str, str | None] = {}
+    for name, options in CASES.items():
+        outcomes[name] = "\n".join(run_case(world, rank, name, options)) or None
+    return outcomes

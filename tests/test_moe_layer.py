@@ -1,0 +1,174 @@
+"""smptk.parallel.MoE on one device against the dense fp32 reference (values and gradients), its options,
+edge cases and bad arguments; expert parallelism across 2 and 4 CPU ranks is in test_moe_ep.py.
+
+Under the interpreter the kernels run in fp32 (fp16 for one case); tolerances are relative to the
+reference's scale because every output mixes routing weights, three GEMMs and a weighted sum: an error
+of 1e-4 of the output's largest value is far above fp32 rounding and far below any wrong routing, a
+dropped pair or a transposed weight (all of which move outputs by O(1) of their scale).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import NO_INTERPRETER_REASON
+
+from smptk.kernels import runtime
+from smptk.parallel import MoE
+from smptk.testing.moe_layer import moe_layer_reference
+
+pytestmark = pytest.mark.skipif(not runtime.interpreter_enabled(), reason=NO_INTERPRETER_REASON)
+
+H, F_, E = 16, 24, 5
+
+
+def _layer(**kw) -> MoE:
+    torch.manual_seed(kw.pop("seed", 0))
+    moe = MoE(kw.pop("hidden_size", H), kw.pop("ffn_hidden_size", F_), kw.pop("num_experts", E), **kw)
+    with torch.no_grad():
+        moe.router_weight.normal_(0, 0.5)  # spread the scores so routing is not decided by rounding
+    return moe
+
+
+def _reference(moe: MoE, x: torch.Tensor):
+    """Reference output/aux with fp32 leaf copies of the layer's weights (their grads are the reference's)."""
+    names = ["router_weight", "w_gate", "w_up", "w_down"]
+    if moe.num_shared_experts:
+        names += ["shared_gate", "shared_up", "shared_down"]
+    leaves = {n: getattr(moe, n).detach().float().clone().requires_grad_() for n in names}
+    x32 = x.detach().float().clone().requires_grad_()
+    shared = tuple(leaves[n] for n in names[4:]) or None
+    y, aux = moe_layer_reference(
+        x32.reshape(-1, moe.hidden_size),
+        leaves["router_weight"],
+        leaves["w_gate"],
+        leaves["w_up"],
+        leaves["w_down"],
+        moe.top_k,
+        score_func=moe.score_func,
+        renormalize=moe.renormalize,
+        expert_bias=moe.expert_bias,
+        capacity_factor=moe.capacity_factor,
+        shared=shared,
+        aux_loss_coef=moe.aux_loss_coef,
+        z_loss_coef=moe.z_loss_coef,
+    )
+    return y.view(x.shape), aux, x32, leaves
+
+
+def _close(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    got, ref = got.detach().float(), ref.detach().float()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    scale = ref.abs().max().item()
+    err = (got - ref).abs().max().item()
+    assert err <= rel * scale + 1e-6, f"{name}: max |error| {err:.3g} > {rel:g} x max |ref| {scale:.3g}"
+
+
+def _check(moe: MoE, x: torch.Tensor, rel: float = 1e-4) -> None:
+    """Output, aux loss and every gradient (x and all weights) against the reference."""
+    x = x.clone().requires_grad_()
+    y = moe(x)
+    y_ref, aux_ref, x32, leaves = _reference(moe, x)
+    _close("y", y, y_ref, rel)
+    _close("aux_loss", moe.aux_loss, aux_ref, rel)
+    dy = torch.randn_like(y_ref)
+    ((y.float() * dy).sum() + moe.aux_loss).backward()
+    ((y_ref * dy).sum() + aux_ref).backward()
+    _close("dx", x.grad, x32.grad, rel)
+    for name, leaf in leaves.items():
+        _close(f"d{name}", getattr(moe, name).grad, leaf.grad, rel)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_matches_reference(score_func: str, top_k: int) -> None:
+    moe = _layer(top_k=top_k, score_func=score_func, aux_loss_coef=0.01, z_loss_coef=0.001)
+    _check(moe, torch.randn(3, 7, H))
+
+
+def test_shared_experts_capacity_and_no_renormalize() -> None:
+    moe = _layer(
+        top_k=2, num_shared_experts=2, shared_ffn_hidden_size=8, capacity_factor=0.75, renormalize=False
+    )
+    x = torch.randn(19, H)
+    _check(moe, x)
+    assert moe.last_plan.num_dropped > 0, "capacity 0.75 should drop pairs at T=19, k=2, E=5"
+
+
+def test_fp16() -> None:
+    moe = _layer(top_k=2, dtype=torch.float16)
+    _check(moe, torch.randn(11, H, dtype=torch.float16), rel=2e-2)  # fp16 storage of h, y and grads
+
+
+@pytest.mark.parametrize("case", ["T1", "k_equals_E", "one_expert_takes_all"])
+def test_edge_cases(case: str) -> None:
+    if case == "T1":
+        _check(_layer(top_k=2), torch.randn(1, H))
+    elif case == "k_equals_E":
+        _check(_layer(top_k=E), torch.randn(6, H))
+    else:
+        moe = _layer(top_k=1)
+        with torch.no_grad():
+            moe.router_weight.zero_()
+            moe.router_weight[3] = 1.0  # expert 3 wins for every token with positive row sum
+        x = torch.rand(9, H) + 0.1
+        _check(moe, x)
+        assert moe.last_routing.tokens_per_expert.tolist() == [0, 0, 0, 9, 0]
+        for e in (0, 1, 2, 4):  # empty experts: gradients exactly zero
+            for name in ("w_gate", "w_up", "w_down"):
+                assert torch.equal(getattr(moe, name).grad[e], torch.zeros_like(getattr(moe, name)[e])), (
+                    f"{name}[{e}] of an empty expert got a nonzero gradient"
+                )
+
+
+def test_no_tokens() -> None:
+    moe = _layer(top_k=2)
+    y = moe(torch.randn(0, H))
+    assert y.shape == (0, H)
+
+
+def test_expert_bias_changes_selection_and_update_balances() -> None:
+    moe = _layer(top_k=1, expert_bias=True)
+    x = torch.randn(40, H)
+    with torch.no_grad():
+        moe(x)
+    load = moe.update_expert_bias(rate=0.5)
+    assert load.sum().item() == 40
+    assert moe.tokens_per_expert.sum().item() == 0, "counts are reset by the update"
+    mean = load.float().mean()
+    expected = 0.5 * torch.sign(mean - load.float())
+    assert torch.equal(moe.expert_bias, expected)
+    with torch.no_grad():
+        moe.expert_bias.zero_()
+        moe.expert_bias[2] = 100.0  # a huge bias: every token picks expert 2, weights still unbiased
+        y = moe(x)
+    assert moe.last_routing.expert_ids.unique().tolist() == [2]
+    _check(moe, x)  # the reference gets the same bias
+    assert torch.isfinite(y).all()
+
+
+def test_update_expert_bias_needs_the_option() -> None:
+    with pytest.raises(RuntimeError, match="expert_bias=True"):
+        _layer().update_expert_bias()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": 6}, "top_k: expected at most num_experts=5"),
+        ({"top_k": 0}, "top_k: expected a positive integer"),
+        ({"score_func": "relu"}, "score_func"),
+        ({"capacity_factor": 0.0}, "capacity_factor"),
+        ({"aux_loss_coef": -1.0}, "aux_loss_coef"),
+        ({"num_shared_experts": -1}, "num_shared_experts"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MoE(H, F_, E, **kwargs)
+
+
+def test_bad_input_shape() -> None:
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., 16\]"):
+        _layer()(torch.randn(4, H + 1))
