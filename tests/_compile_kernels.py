@@ -26,7 +26,8 @@ divisibility on pointers and aligned ints, constexprs left out take the kernel's
 strided views) covers the unspecialized code path.
 
 Coverage, identical for sm_90 and sm_80. The quick set (default) is below; ``--all`` / ``SMPTK_COMPILE_ALL=1``
-adds what the quick set drops (about twice the compile time):
+adds what the quick set drops (about twice the compile time for the kernels through the collectives, about
+five times for the MoE ones):
 
 - ``_matmul_kernel`` on the smallest and the largest of ``_CUDA_CONFIGS`` (by tile volume):
   smallest: every activation x HAS_SECOND on/off with HAS_BIAS and STORE_Z, in bf16; each activation once in
@@ -43,6 +44,26 @@ adds what the quick set drops (about twice the compile time):
   fp32/bf16/fp16/int32 (ACC fp32, or int32 for int32; no int32 "avg", which the host never launches) with
   the default 300 s timeout (an i64 argument); per kernel one bf16 variant with an i32 timeout and i64 sizes,
   and one with SIMULATED=True where the kernel has that flag.
+- grouped GEMMs (``_grouped_gemm``) on the smallest and the largest of each autotune config list, one MoE
+  layer's shapes (T = 16K rows, K = 2048, N = 1408, E = 64): ``_grouped_mm_kernel``'s training forward
+  (gelu or silu + bias + z) and SwiGLU's two-pair dx (HAS_SECOND), ``_grouped_swiglu_fwd_kernel`` with
+  STORE_H on and off, ``_grouped_dw_kernel``'s dw + db (grouped_linear) and dw into ``[E, 2N, K]``
+  (grouped_swiglu); each pair as bf16 on one config and fp32 "ieee" on the other, so both dtypes meet both
+  configs. ``_swiglu_dh_kernel`` in bf16. Full: every dtype x config x (plain forward, dx, two-pair dx,
+  epilogue forward, generic strides, i64 rows; STORE_H on/off; dw + db, dw, db only), fp32 "tf32" per
+  config, the other activations once; the largest config in fp32 with its flag variants and "tf32" only.
+- ``moe_route`` and ``moe_dispatch`` kernels (T = 4096 tokens, H = 2048): per kernel the DeepSeek-V2-Lite
+  set-up (E = 64, k = 6; bf16 logits and rows, int32 ids, fp32 routing weights, capacity factor 1.25)
+  and an int64 one: DeepSeek-V3 routing (E = 256, k = 8, sigmoid + expert bias) in fp32 past 2^31 tokens,
+  int64 ids past 2^31 pairs without a capacity (an i64 capacity); ``_route_stats_kernel`` the int64 one
+  only, the row kernels bf16 only (``_gather_sum_kernel`` also without weights, dispatch's backward).
+  Full: the set-ups E = k = 1, (8, 2), (64, 6), (160, 6) and (256, 8) in every dtype, ids dtype and with
+  and without a capacity, every score x renormalize x bias flag, fp16 / fp32 rows with fp32 or same-dtype
+  weights, generic strides, top_k = 1, i64 sizes per kernel, and a one-program statistics launch.
+
+The grouped GEMM and MoE variants name the argument values of a concrete launch and derive the signature
+from them as the launcher does (``_from_values``). Their ids start with ``grouped_`` / ``moe_`` (select
+them with ``-k grouped_`` / ``-k moe_``).
 """
 
 from __future__ import annotations
@@ -455,6 +476,484 @@ def _collective_variants(arch: int, block: int, ops: dict[str, int], params: dic
     return out
 
 
+# --- MoE: grouped GEMMs, routing, dispatch / combine ----------------------------------------------------
+#
+# Specialization from argument values (``_from_values``): each variant passes the sizes and strides a real
+# launch does, as the launchers in _grouped_gemm.py, moe_route.py and moe_dispatch.py compute them.
+
+_GG = "smptk.kernels._grouped_gemm:"
+_ROUTE = "smptk.kernels.moe_route:"
+_DISP = "smptk.kernels.moe_dispatch:"
+# Grouped GEMMs: one MoE layer (DeepSeek-V2-Lite's experts: hidden K = 2048, expert width N = 1408, E = 64)
+# over T = 16K grouped rows.
+_GT, _GK, _GN, _GE = 16384, 2048, 1408, 64
+# Routing and dispatch: T = 4096 tokens, H = 2048; set-ups (E, top_k, score_func, renormalize, expert
+# bias): E = k = 1 (unit sizes become constexprs), Mixtral (8, 2), DeepSeek-V2-Lite (64, 6), DeepSeek-V2
+# (160, 6: a padded 256-wide expert block), DeepSeek-V3 (256, 8, sigmoid scores and the selection bias).
+_RT, _RH = 4096, 2048
+_ROUTE_CASES = (
+    (1, 1, "softmax", True, False),
+    (8, 2, "softmax", True, False),
+    (64, 6, "softmax", False, False),
+    (160, 6, "softmax", False, False),
+    (256, 8, "sigmoid", True, True),
+)
+_CAPACITY = (5, 4)  # capacity_factor 1.25, as a fraction: C = ceil(1.25 * P / E)
+# "-i64" variants: rows, tokens or pairs past int32 (every index there is int64). _BIG_T tokens x 8 slots
+# = 2^31 + 256 pairs.
+_BIG = 2**31 + 256
+_BIG_T = 2**28 + 32
+
+
+def _pow2(n: int) -> int:
+    """triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _from_values(ptrs: dict[str, str], ints: dict[str, int], layout: str = "contig") -> tuple:
+    """(types, constexprs, aligned) as Triton's launcher derives them from the argument values: pointers
+    typed as given and 16-byte aligned (fresh buffers, views at 16-byte offsets); an int equal to 1 becomes a
+    constexpr, one outside int32 is i64, a multiple of 16 (0 included) is aligned. ``layout="generic"``
+    (strided views, odd sizes): nothing specialized or aligned, every int i32."""
+    types, consts = dict(ptrs), {}
+    if layout == "generic":
+        return types, consts, []
+    aligned = list(ptrs)
+    for name, value in ints.items():
+        if value == 1:
+            consts[name] = 1
+            continue
+        if not -(2**31) <= value < 2**31:
+            types[name] = "i64"
+        if value % 16 == 0:
+            aligned.append(name)
+    return types, consts, aligned
+
+
+def _alternate(small: bool, dtype: str, flip: bool = False) -> bool:
+    """Quick-set pick for the GEMMs: bf16 on the smallest config and fp32 on the largest (``flip``: fp32 on
+    the smallest and bf16 on the largest), so two kernel flavours cover both dtypes on both configs."""
+    return dtype != "fp16" and (small == (dtype == "bf16")) != flip
+
+
+def _slow(small: bool, dtype: str) -> bool:
+    """The largest config in fp32: the slowest compiles (several seconds each), and more shared memory than
+    sm_80 has for the forward GEMMs. The full set keeps there only the flag variants (the epilogue forward
+    and two-pair dx, STORE_H on/off, dw / db) and "tf32"; the plain forward and dx, generic strides and
+    i64 rows come from the other dtype / config pairs."""
+    return not small and dtype == "fp32"
+
+
+def _grouped_gemm_variants(arch: int, gg, act_names: dict[int, str], full: bool) -> list[Variant]:
+    """``gg``: the ``smptk.kernels._grouped_gemm`` module (autotune configs and block sizes)."""
+    out = []
+    T, K, N, E = _GT, _GK, _GN, _GE
+
+    def add(
+        name, kernel, dtype, tag, layout, cfg, ptrs, ints, consts, quick, precision=None, big=False, dots=1
+    ):
+        if not (full or quick):
+            return
+        precision = precision or ("ieee" if dtype == "fp32" else "tf32")
+        types, cx, aligned = _from_values(ptrs, ints, layout)
+        cx.update(consts)
+        nw, ns, cost, suffix = 4, 3, 1, ""  # Triton's defaults: _swiglu_dh_kernel's plain launch
+        if cfg is not None:  # the autotuned GEMMs
+            cx.update(cfg["kwargs"], PRECISION=precision)
+            k = cfg["kwargs"]
+            nw, ns, suffix = cfg["num_warps"], cfg["num_stages"], f"-{_cfg_name(cfg)}"
+            cost = k["BLOCK_M"] * k["BLOCK_N"] * dots // 256
+            if dtype == "fp32":
+                dtype = f"fp32-{precision}"
+        vid = f"{name}-sm{arch}-{dtype}-{tag}-{layout}{'-i64' if big else ''}{suffix}"
+        out.append(_variant(vid, _GG + kernel, arch, types, cx, aligned, nw, ns, cost))
+
+    # _grouped_mm_kernel (grouped_matmul). fwd: a = x [T, K], b = weight.transpose(1, 2) (strides N*K, 1,
+    # K), c and z [T, N], bias [E, N] (absent: the output, same row stride); dx: a = dz [T, N], b = weight
+    # [E, N, K]; dx2 (grouped_swiglu's dx, HAS_SECOND): a, a2 = the halves of dh [T, 2N], b, b2 = the
+    # two weights.
+    mm_ptrs = ("a_ptr", "b_ptr", "a2_ptr", "b2_ptr", "c_ptr", "bias_ptr", "z_ptr")
+
+    def add_mm(cfg, dtype, layout, act=0, bias=False, store_z=False, quick=False, precision=None, big=False):
+        rows = _BIG if big else T
+        R, C, a, b = {
+            "fwd": (K, N, (K, 1), (N * K, 1, K)),
+            "dx": (N, K, (N, 1), (N * K, K, 1)),
+            "dx2": (N, K, (2 * N, 1), (N * K, K, 1)),
+        }["fwd" if layout == "generic" else layout]
+        ints = dict(T=rows, R=R, C=C, E=E, T_BUCKET=_pow2(rows), s_am=a[0], s_ar=a[1])
+        ints.update(s_be=b[0], s_br=b[1], s_bc=b[2], s_a2m=a[0], s_a2r=a[1])
+        ints.update(s_b2e=b[0], s_b2r=b[1], s_b2c=b[2], s_cm=C, s_cc=1, s_biase=C, s_zm=C, s_zc=1)
+        ptrs = {p: f"*{_TT[dtype]}" for p in mm_ptrs} | {"offsets_ptr": "*i64"}
+        consts = dict(ACTIVATION=act, HAS_BIAS=bias, STORE_Z=store_z, HAS_SECOND=layout == "dx2")
+        consts["EXPERT_BLOCK"] = gg._EXPERT_BLOCK
+        flags = [f for f, on in (("bias", bias), ("z", store_z), ("second", layout == "dx2")) if on]
+        tag = "-".join([act_names[act], *flags]) if flags else f"{act_names[act]}-plain"
+        add(
+            "grouped_mm",
+            "_grouped_mm_kernel",
+            dtype,
+            tag,
+            layout,
+            cfg,
+            ptrs,
+            ints,
+            consts,
+            quick,
+            precision,
+            big,
+            dots=2 if layout == "dx2" else 1,
+        )
+
+    largest, smallest = _largest_smallest(_configs(gg._MM_CONFIGS))
+    for cfg in (smallest, largest):
+        small = cfg is smallest
+        for dtype in _FLOAT_DTYPES:
+            # Quick: the training forward (gelu on the smallest, silu on the largest, with bias and z) and
+            # SwiGLU's two-pair dx, each in bf16 and fp32 across the two configs.
+            act = 2 if small else 4
+            add_mm(cfg, dtype, "fwd", act, True, True, quick=_alternate(small, dtype))
+            add_mm(cfg, dtype, "dx2", quick=_alternate(small, dtype, flip=True))
+            if _slow(small, dtype):
+                continue
+            add_mm(cfg, dtype, "fwd")
+            add_mm(cfg, dtype, "dx")
+            add_mm(cfg, dtype, "generic")
+            add_mm(cfg, dtype, "fwd", 2, True, True, big=True)
+        add_mm(cfg, "fp32", "fwd", 2, True, True, precision="tf32")
+    for act in sorted(act_names):  # the other epilogues once (the matmul variants cover the whole grid)
+        if act not in (0, 2):
+            add_mm(smallest, "bf16", "fwd", act, True, act != 4)
+    add_mm(smallest, "bf16", "fwd", 0, True)  # bias only
+
+    # _grouped_swiglu_fwd_kernel (grouped_swiglu_fwd): x [T, K], weights [E, N, K], y [T, N], h [T, 2N]
+    # (absent: y, row stride N).
+    def add_swiglu(cfg, dtype, layout, store_h, quick=False, precision=None, big=False):
+        rows = _BIG if big else T
+        ints = dict(T=rows, K=K, N=N, E=E, T_BUCKET=_pow2(rows), s_xm=K, s_xk=1)
+        ints.update(s_wge=N * K, s_wgn=K, s_wgk=1, s_wue=N * K, s_wun=K, s_wuk=1)
+        ints.update(s_ym=N, s_yn=1, s_hm=2 * N if store_h else N, s_hn=1)
+        ptrs = {p: f"*{_TT[dtype]}" for p in ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr", "h_ptr")}
+        ptrs["offsets_ptr"] = "*i64"
+        consts = {"STORE_H": store_h, "EXPERT_BLOCK": gg._EXPERT_BLOCK}
+        tag = "store_h" if store_h else "no_h"
+        add(
+            "grouped_swiglu_fwd",
+            "_grouped_swiglu_fwd_kernel",
+            dtype,
+            tag,
+            layout,
+            cfg,
+            ptrs,
+            ints,
+            consts,
+            quick,
+            precision,
+            big,
+            dots=2,
+        )
+
+    largest, smallest = _largest_smallest(_configs(gg._SWIGLU_CONFIGS))
+    for cfg in (smallest, largest):
+        small = cfg is smallest
+        for dtype in _FLOAT_DTYPES:
+            add_swiglu(cfg, dtype, "fwd", True, quick=_alternate(small, dtype))
+            add_swiglu(cfg, dtype, "fwd", False, quick=_alternate(small, dtype, flip=True))
+            if _slow(small, dtype):
+                continue
+            add_swiglu(cfg, dtype, "generic", True)
+            add_swiglu(cfg, dtype, "fwd", True, big=True)
+        add_swiglu(cfg, "fp32", "fwd", True, precision="tf32")
+
+    # _grouped_dw_kernel (grouped_weight_grad). dw_db (grouped_linear): dz [T, N], x [T, K], dw [E, N, K],
+    # db [E, N]. dw (grouped_swiglu's [dw_gate | dw_up]): dz = dh [T, 2N], dw [E, 2N, K], db a [1, 1]
+    # dummy. db (frozen weight): dw a [1, 1, 1] dummy. Dummies have unit strides.
+    def add_dw(cfg, dtype, layout, case, quick=False, precision=None, big=False):
+        rows = _BIG if big else T
+        n = 2 * N if case == "dw" else N
+        ints = dict(T=rows, N=n, K=K, T_BUCKET=_pow2(rows), s_dzm=n, s_dzn=1, s_xm=K, s_xk=1)
+        ints.update(dict(s_dwe=n * K, s_dwn=K, s_dwk=1) if case != "db" else dict(s_dwe=1, s_dwn=1, s_dwk=1))
+        ints["s_dbe"] = 1 if case == "dw" else n
+        ptrs = {p: f"*{_TT[dtype]}" for p in ("dz_ptr", "x_ptr", "dw_ptr", "db_ptr")}
+        ptrs["offsets_ptr"] = "*i64"
+        consts = {"STORE_DW": case != "db", "STORE_DB": case != "dw"}
+        add(
+            "grouped_dw",
+            "_grouped_dw_kernel",
+            dtype,
+            case,
+            layout,
+            cfg,
+            ptrs,
+            ints,
+            consts,
+            quick,
+            precision,
+            big,
+        )
+
+    largest, smallest = _largest_smallest(_configs(gg._DW_CONFIGS))
+    for cfg in (smallest, largest):
+        small = cfg is smallest
+        for dtype in _FLOAT_DTYPES:
+            add_dw(cfg, dtype, "contig", "dw_db", quick=_alternate(small, dtype))
+            add_dw(cfg, dtype, "contig", "dw", quick=_alternate(small, dtype, flip=True))
+            add_dw(cfg, dtype, "contig", "db")
+            if _slow(small, dtype):
+                continue
+            add_dw(cfg, dtype, "generic", "dw_db")
+            add_dw(cfg, dtype, "contig", "dw_db", big=True)
+        add_dw(cfg, "fp32", "contig", "dw_db", precision="tf32")
+
+    # _swiglu_dh_kernel (swiglu_dh, a plain launch): dy [T, N], h and dh [T, 2N].
+    for dtype in _FLOAT_DTYPES:
+        for layout, big in (("contig", False), ("generic", False), ("contig", True)):
+            rows = _BIG if big else T
+            ints = dict(M=rows, N=N, s_dym=N, s_dyn=1, s_hm=2 * N, s_hn=1, s_dhm=2 * N, s_dhn=1)
+            ptrs = {p: f"*{_TT[dtype]}" for p in ("dy_ptr", "h_ptr", "dh_ptr")}
+            quick = dtype == "bf16" and layout == "contig" and not big
+            add(
+                "grouped_swiglu_dh",
+                "_swiglu_dh_kernel",
+                dtype,
+                "dh",
+                layout,
+                None,
+                ptrs,
+                ints,
+                dict(gg._DH_BLOCK),
+                quick,
+                big=big,
+            )
+    return out
+
+
+def _route_variants(arch: int, blocks: dict, score_funcs: dict[str, int], full: bool) -> list[Variant]:
+    """moe_route's three kernels; ``blocks``: ``moe_route._FWD_BLOCKS`` (the CUDA values)."""
+    out = []
+
+    def launch_blocks(E):  # moe_route._blocks, without the interpreter's values
+        BLOCK_E = _pow2(E)
+        BLOCK_T = max(1, min(blocks["TILE_ELEMS"] // BLOCK_E, blocks["MAX_BLOCK_T"], blocks["ROWS_PER_PROG"]))
+        stats_b = max(1, min(4096 // BLOCK_E, blocks["MAX_STATS_BLOCK_B"]))
+        return BLOCK_E, BLOCK_T, stats_b
+
+    def add(name, kernel, tag, layout, ptrs, ints, consts, quick, big):
+        if full or quick:
+            types, cx, aligned = _from_values(ptrs, ints, layout)
+            vid = f"{name}-sm{arch}-{tag}-{layout}{'-i64' if big else ''}"
+            out.append(_variant(vid, _ROUTE + kernel, arch, types, cx | consts, aligned))
+
+    def case_tag(dtype, E, k, score, renorm, bias=False):
+        flags = [f for f, on in (("renorm", renorm), ("bias", bias)) if on]
+        return "-".join([dtype, f"E{E}k{k}", score, *flags])
+
+    # route_fwd: logits [T, E] (generic: any strides), expert bias [E] fp32 (absent: the logits), weights,
+    # ids and the partial rows fresh.
+    def fwd(dtype, E, k, score, renorm, bias, layout="contig", quick=False, big=False):
+        BLOCK_E, BLOCK_T, _ = launch_blocks(E)
+        ptrs = {"logits_ptr": f"*{_TT[dtype]}", "bias_ptr": "*fp32" if bias else f"*{_TT[dtype]}"}
+        ptrs |= {"w_ptr": "*fp32", "ids_ptr": "*i32", "cnt_part_ptr": "*i32"}
+        ptrs |= {"q_part_ptr": "*fp32", "z_part_ptr": "*fp32"}
+        ints = dict(T=_BIG if big else _RT, E=E, top_k=k, stride_lt=E, stride_le=1)
+        consts = dict(SCORE_FUNC=score_funcs[score], RENORMALIZE=renorm, HAS_BIAS=bias, BLOCK_T=BLOCK_T)
+        consts |= dict(BLOCK_E=BLOCK_E, BLOCK_K=_pow2(k), ROWS_PER_PROG=blocks["ROWS_PER_PROG"])
+        tag = case_tag(dtype, E, k, score, renorm, bias)
+        add("moe_route_fwd", "_route_fwd_kernel", tag, layout, ptrs, ints, consts, quick, big)
+
+    # route_bwd: as the forward, plus the weights' gradient [T, k] as fp32 (generic: any strides); the
+    # expert bias plays no part.
+    def bwd(dtype, E, k, score, renorm, layout="contig", quick=False, big=False):
+        BLOCK_E, BLOCK_T, _ = launch_blocks(E)
+        ptrs = {"logits_ptr": f"*{_TT[dtype]}", "ids_ptr": "*i32", "dw_ptr": "*fp32", "counts_ptr": "*i64"}
+        ptrs |= {"daux_ptr": "*fp32", "dz_ptr": "*fp32", "dlogits_ptr": f"*{_TT[dtype]}"}
+        ints = dict(
+            T=_BIG if big else _RT, E=E, top_k=k, stride_lt=E, stride_le=1, stride_dwt=k, stride_dwk=1
+        )
+        consts = dict(SCORE_FUNC=score_funcs[score], RENORMALIZE=renorm, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E)
+        tag = case_tag(dtype, E, k, score, renorm)
+        add("moe_route_bwd", "_route_bwd_kernel", tag, layout, ptrs, ints, consts, quick, big)
+
+    # route_fwd's statistics: the partial rows of cdiv(T, ROWS_PER_PROG) programs.
+    def stats(E, k, T, layout="contig", quick=False, big=False):
+        BLOCK_E, _, stats_b = launch_blocks(E)
+        ptrs = {"cnt_part_ptr": "*i32", "q_part_ptr": "*fp32", "z_part_ptr": "*fp32", "counts_ptr": "*i64"}
+        ptrs |= {"aux_ptr": "*fp32", "z_ptr": "*fp32"}
+        ints = dict(num_progs=_cdiv(T, blocks["ROWS_PER_PROG"]), T=T, E=E, top_k=k)
+        consts = dict(BLOCK_B=stats_b, BLOCK_E=BLOCK_E)
+        add("moe_route_stats", "_route_stats_kernel", f"E{E}k{k}", layout, ptrs, ints, consts, quick, big)
+
+    v2_lite, v3 = _ROUTE_CASES[2], _ROUTE_CASES[4]
+    for dtype in _FLOAT_DTYPES:
+        for case in _ROUTE_CASES:
+            quick = (dtype, case) == ("bf16", v2_lite)
+            fwd(dtype, *case, quick=quick)
+            bwd(dtype, *case[:4], quick=quick)
+        fwd(dtype, *v2_lite, layout="generic")
+        bwd(dtype, *v2_lite[:4], layout="generic")
+    for score in score_funcs:  # every flag combination once
+        for renorm in (True, False):
+            if (score, renorm) != v2_lite[2:4]:
+                bwd("bf16", *v2_lite[:2], score, renorm)
+            for bias in (True, False):
+                if (score, renorm, bias) != v2_lite[2:]:
+                    fwd("bf16", *v2_lite[:2], score, renorm, bias)
+    fwd("fp32", *v3, quick=True, big=True)
+    bwd("fp32", *v3[:4], quick=True, big=True)
+    fwd("bf16", *v2_lite, big=True)
+    bwd("bf16", *v2_lite[:4], big=True)
+    for E, k, *_ in _ROUTE_CASES:
+        stats(E, k, _RT)
+    stats(*v2_lite[:2], 200, layout="one_prog")  # T <= ROWS_PER_PROG: num_progs = 1, a constexpr
+    stats(*v3[:2], _BIG, quick=True, big=True)
+    return out
+
+
+def _dispatch_variants(arch: int, plan: dict, scan_tile: int, rows: dict, full: bool) -> list[Variant]:
+    """moe_dispatch's kernels. ``plan``: ``_PLAN_BLOCKS``; ``scan_tile``: ``_SCAN_TILE_ELEMS``; ``rows``:
+    ``_ROW_BLOCKS`` (the CUDA values)."""
+    out = []
+
+    def add(name, kernel, tag, layout, ptrs, ints, consts, quick, big):
+        if full or quick:
+            types, cx, aligned = _from_values(ptrs, ints, layout)
+            vid = f"{name}-sm{arch}-{tag}-{layout}{'-i64' if big else ''}"
+            out.append(_variant(vid, _DISP + kernel, arch, types, cx | consts, aligned))
+
+    # dispatch_plan: expert_ids [T, k] int32 (moe_route's) or int64 (generic: any strides); the capacity
+    # argument is C with a capacity factor, P without one (i64 with i64 pairs).
+    def plan_sizes(E, k, capacity, big):
+        P = (_BIG_T if big else _RT) * k
+        BLOCK_E = _pow2(E)
+        BLOCK_P = min(max(plan["CHUNK_ELEMS"] // BLOCK_E, plan["MIN_BLOCK_P"]), 128, plan["PAIRS_PER_PROG"])
+        cap = _cdiv(P * _CAPACITY[0], E * _CAPACITY[1]) if capacity else P
+        chunk = dict(BLOCK_P=BLOCK_P, BLOCK_E=BLOCK_E, PAIRS_PER_PROG=plan["PAIRS_PER_PROG"])
+        return P, cap, BLOCK_E, chunk
+
+    def hist(ids_dtype, E, k, layout="contig", quick=False, big=False):
+        P, _, _, chunk = plan_sizes(E, k, False, big)
+        ptrs = {"ids_ptr": f"*{ids_dtype}", "hist_ptr": "*i32", "bad_ptr": "*i32"}
+        ints = dict(P=P, E=E, top_k=k, stride_it=k, stride_ik=1)
+        tag = f"{ids_dtype}_ids-E{E}k{k}"
+        add("moe_dispatch_hist", "_dispatch_hist_kernel", tag, layout, ptrs, ints, chunk, quick, big)
+
+    def scan(E, k, capacity, quick=False, big=False):
+        P, cap, BLOCK_E, _ = plan_sizes(E, k, capacity, big)
+        ptrs = {"hist_ptr": "*i32", "bad_ptr": "*i32"}
+        ptrs |= {p: "*i64" for p in ("base_ptr", "offsets_ptr", "kept_ptr", "summary_ptr")}
+        ints = dict(num_progs=_cdiv(P, plan["PAIRS_PER_PROG"]), E=E, capacity=cap)
+        consts = dict(BLOCK_B=max(1, min(plan["SCAN_BLOCK_B"], scan_tile // BLOCK_E)), BLOCK_E=BLOCK_E)
+        tag = f"E{E}k{k}-{'cap' if capacity else 'no_cap'}"
+        add("moe_dispatch_scan", "_dispatch_scan_kernel", tag, "contig", ptrs, ints, consts, quick, big)
+
+    def scatter(ids_dtype, E, k, capacity, layout="contig", quick=False, big=False):
+        P, cap, _, chunk = plan_sizes(E, k, capacity, big)
+        ptrs = {"ids_ptr": f"*{ids_dtype}"}
+        ptrs |= {p: "*i64" for p in ("base_ptr", "offsets_ptr", "dest_ptr", "src_token_ptr", "src_pair_ptr")}
+        ints = dict(P=P, E=E, top_k=k, capacity=cap, stride_it=k, stride_ik=1)
+        tag = f"{ids_dtype}_ids-E{E}k{k}-{'cap' if capacity else 'no_cap'}"
+        add("moe_dispatch_scatter", "_dispatch_scatter_kernel", tag, layout, ptrs, ints, chunk, quick, big)
+
+    v2_lite, v3 = _ROUTE_CASES[2][:2], _ROUTE_CASES[4][:2]
+    for ids_dtype in ("i32", "i64"):
+        for E, k, *_ in _ROUTE_CASES:
+            hist(ids_dtype, E, k, quick=(ids_dtype, (E, k)) == ("i32", v2_lite))
+            for capacity in (True, False):
+                scatter(
+                    ids_dtype, E, k, capacity, quick=(ids_dtype, (E, k), capacity) == ("i32", v2_lite, True)
+                )
+        hist(ids_dtype, *v2_lite, layout="generic")
+        scatter(ids_dtype, *v2_lite, True, layout="generic")
+        hist(ids_dtype, *v3, quick=ids_dtype == "i64", big=True)
+        scatter(ids_dtype, *v3, False, quick=ids_dtype == "i64", big=True)
+        scatter(ids_dtype, *v3, True, big=True)
+    for E, k, *_ in _ROUTE_CASES:
+        for capacity in (True, False):
+            scan(E, k, capacity, quick=((E, k), capacity) == (v2_lite, True))
+    scan(*v3, False, quick=True, big=True)
+    scan(*v3, True, big=True)
+
+    # Row kernels (plain launches): H = 2048, k = 6 slots, R = T * k grouped rows; x, dout [T, H] and the
+    # grouped y / dx_grouped [R, H] contiguous (generic: any strides), routing weights [T, k] fp32 (or the
+    # activations' dtype), dest [T, k] and the sources [R] int64.
+    def row_add(name, kernel, tag, layout, ptrs, ints, consts, quick, big):
+        add(name, kernel, tag, layout, ptrs, ints, dict(rows) | consts, quick, big)
+
+    H = _RH
+
+    def gather_rows(dtype, layout="contig", quick=False, big=False):
+        ptrs = {"x_ptr": f"*{_TT[dtype]}", "src_ptr": "*i64", "out_ptr": f"*{_TT[dtype]}"}
+        ints = dict(R=_BIG if big else _RT * 6, H=H, stride_xt=H, stride_xh=1)
+        row_add("moe_gather_rows", "_gather_rows_kernel", dtype, layout, ptrs, ints, {}, quick, big)
+
+    def gather_sum(dtype, w_dtype, k=6, layout="contig", quick=False, big=False):
+        """w_dtype None: dispatch's backward (no weights: w = src, strides 0)."""
+        ptrs = {"src_ptr": f"*{_TT[dtype]}", "dest_ptr": "*i64", "w_ptr": f"*{_TT[w_dtype or dtype]}"}
+        ptrs["out_ptr"] = f"*{_TT[dtype]}"
+        sw = (k, 1) if w_dtype else (0, 0)
+        ints = dict(T=_BIG if big else _RT, H=H, top_k=k, stride_sr=H, stride_sh=1)
+        ints |= dict(stride_wt=sw[0], stride_wk=sw[1])
+        tag = f"{dtype}-{f'w_{w_dtype}' if w_dtype else 'no_w'}-k{k}"
+        consts = {"HAS_WEIGHTS": w_dtype is not None}
+        row_add("moe_gather_sum", "_gather_sum_kernel", tag, layout, ptrs, ints, consts, quick, big)
+
+    def combine_dy(dtype, w_dtype, k=6, layout="contig", quick=False, big=False):
+        ptrs = {"dout_ptr": f"*{_TT[dtype]}", "w_ptr": f"*{_TT[w_dtype]}", "src_pair_ptr": "*i64"}
+        ptrs["dy_ptr"] = f"*{_TT[dtype]}"
+        ints = dict(
+            R=_BIG if big else _RT * k, H=H, top_k=k, stride_dt=H, stride_dh=1, stride_wt=k, stride_wk=1
+        )
+        row_add(
+            "moe_combine_dy",
+            "_combine_dy_kernel",
+            f"{dtype}-w_{w_dtype}-k{k}",
+            layout,
+            ptrs,
+            ints,
+            {},
+            quick,
+            big,
+        )
+
+    def combine_dw(dtype, w_dtype, k=6, layout="contig", quick=False, big=False):
+        ptrs = {"dout_ptr": f"*{_TT[dtype]}", "y_ptr": f"*{_TT[dtype]}", "dest_ptr": "*i64"}
+        ptrs["dw_ptr"] = f"*{_TT[w_dtype]}"
+        ints = dict(T=_BIG if big else _RT, H=H, top_k=k, stride_dt=H, stride_dh=1, stride_yr=H, stride_yh=1)
+        row_add(
+            "moe_combine_dw",
+            "_combine_dw_kernel",
+            f"{dtype}-w_{w_dtype}-k{k}",
+            layout,
+            ptrs,
+            ints,
+            {"BLOCK_K": _pow2(k)},
+            quick,
+            big,
+        )
+
+    for dtype in _FLOAT_DTYPES:
+        quick = dtype == "bf16"
+        gather_rows(dtype, quick=quick)
+        gather_sum(dtype, None, quick=quick)
+        for w_dtype in dict.fromkeys(("fp32", dtype)):  # moe_route's fp32 weights, or x's dtype
+            quick = (dtype, w_dtype) == ("bf16", "fp32")
+            gather_sum(dtype, w_dtype, quick=quick)
+            combine_dy(dtype, w_dtype, quick=quick)
+            combine_dw(dtype, w_dtype, quick=quick)
+    for kw in ({"layout": "generic"}, {"k": 1}, {"big": True}):  # strided views, top_k = 1, i64 rows / tokens
+        if "k" not in kw:
+            gather_rows("bf16", **kw)
+        gather_sum("bf16", None, **kw)
+        gather_sum("bf16", "fp32", **kw)
+        combine_dy("bf16", "fp32", **kw)
+        combine_dw("bf16", "fp32", **kw)
+    return out
+
+
 def variants(full: bool | None = None) -> list[Variant]:
     """The variants, heaviest first: the quick set, or every one with ``full`` (default: SMPTK_COMPILE_ALL=1).
 
@@ -464,10 +963,19 @@ def variants(full: bool | None = None) -> list[Variant]:
         full = os.environ.get("SMPTK_COMPILE_ALL", "0") == "1"
     import importlib
 
-    # Modules by full name: ``smptk.kernels.fused_linear`` / ``.swiglu`` are shadowed by the functions.
-    _matmul, collectives, fused_linear, swiglu = (
+    # Modules by full name: ``smptk.kernels.fused_linear``, ``.swiglu``, ``.moe_route`` and ``.moe_dispatch``
+    # are shadowed by the functions.
+    _matmul, collectives, fused_linear, swiglu, grouped_gemm, moe_route, moe_dispatch = (
         importlib.import_module(f"smptk.kernels.{m}")
-        for m in ("_matmul", "collectives", "fused_linear", "swiglu")
+        for m in (
+            "_matmul",
+            "collectives",
+            "fused_linear",
+            "swiglu",
+            "_grouped_gemm",
+            "moe_route",
+            "moe_dispatch",
+        )
     )
 
     act_names = {code: (name or "noact") for name, code in _matmul.ACTIVATION_CODES.items()}
@@ -486,6 +994,15 @@ def variants(full: bool | None = None) -> list[Variant]:
         out += _swiglu_fwd_variants(arch, _configs(swiglu._CUDA_CONFIGS), full)
         out += _elementwise_variants(arch, blocks)
         out += _collective_variants(arch, collectives.BLOCK, collectives.OPS, coll_params)
+        out += _grouped_gemm_variants(arch, grouped_gemm, act_names, full)
+        out += _route_variants(arch, dict(moe_route._FWD_BLOCKS), moe_route.SCORE_FUNCS, full)
+        out += _dispatch_variants(
+            arch,
+            dict(moe_dispatch._PLAN_BLOCKS),
+            moe_dispatch._SCAN_TILE_ELEMS,
+            dict(moe_dispatch._ROW_BLOCKS),
+            full,
+        )
     ids = [v.id for v in out]
     assert len(set(ids)) == len(ids), "variant ids must be unique"
     return sorted(out, key=lambda v: -v.cost)
