@@ -6,6 +6,7 @@ Subpackages (imports go one way: kernels <- comm <- parallel):
 - :mod:`smptk.comm`: low-SM collectives over symmetric memory.
 - :mod:`smptk.parallel`: parallel configuration and layers.
 - :mod:`smptk.testing`: fp32 references and tolerance tables shared by tests and benchmarks.
+- :mod:`smptk.settings`: every ``SMPTK_*`` environment variable, its meaning and its one parser.
 
 ``import smptk`` imports no subpackage; each loads on first attribute access, so the package imports on
 any machine (no GPU, no driver) and CUDA-only code is touched only when used.
@@ -18,7 +19,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("kernels", "comm", "parallel", "testing")
+_SUBPACKAGES = ("kernels", "comm", "parallel", "testing", "settings")
 __all__ = ["__version__", *_SUBPACKAGES]
 
 

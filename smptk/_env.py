@@ -129,6 +129,20 @@ def _kernel_path() -> tuple[bool | None, dict[str, str] | str | None]:
         return runtime.interpreter_enabled(), f"error: {exc}"
 
 
+def _settings() -> dict[str, Any]:
+    """``{name: {"value", "set"}}`` of every variable in :data:`smptk.settings.VARIABLES` (bad values as
+    "error: ...", paths as "<a path>": no personal data); the meanings stay in the table."""
+    from smptk import settings
+
+    out = {}
+    for name, row in settings.snapshot().items():
+        value = row["value"]
+        if settings.VARIABLES[name].kind == "path" and row["set"]:
+            value = "<a path>"
+        out[name] = {"value": value, "set": row["set"]}
+    return out
+
+
 def _norm_uuid(value: object) -> str:
     """Hex digits only: torch prints ``8-4-4-4-12`` hex, NVML the same after ``GPU-``."""
     text = str(value).strip().lower().removeprefix("gpu-")
@@ -241,6 +255,7 @@ def collect_environment() -> dict[str, Any]:
     Keys: ``smptk``, ``torch``, ``triton``, ``python``, ``cuda`` (torch.version.cuda), ``nccl``,
     ``cuda_available``, ``platform``, ``cpu_count``, ``git_sha``, ``git_dirty``, ``world_size``, ``rank``,
     ``interpreter`` (TRITON_INTERPRET), ``kernel_path`` (:func:`smptk.kernels.runtime.describe`),
+    ``settings`` (every variable of :mod:`smptk.settings`: ``{name: {"value": ..., "set": bool}}``),
     ``gpus`` (one dict per GPU: ``name``, ``memory_total_bytes``, ``sm_count``, ``l2_cache_bytes``,
     ``sm_clock_max_mhz``, ``sm_clock_mhz``, ``mem_clock_max_mhz``, ``driver_version``, ``torch_index``...)
     and ``gpu_note`` (None, or why ``gpus`` is empty or incomplete). Never raises.
@@ -262,6 +277,7 @@ def collect_environment() -> dict[str, Any]:
     env["git_sha"], env["git_dirty"] = _git_state()
     env["world_size"], env["rank"] = _world()
     env["interpreter"], env["kernel_path"] = _kernel_path()
+    env["settings"] = _settings()
 
     nvml, note = _nvml_gpus()
     torch_gpus = _torch_gpus()

@@ -2,7 +2,8 @@
 
 Subcommands:
 
-- ``smptk info``: versions, GPUs, git state and which kernel path will run, as readable text.
+- ``smptk info``: versions, GPUs, git state, which kernel path will run and the value of every
+  ``SMPTK_*`` setting (:mod:`smptk.settings`), as readable text.
 - ``smptk info --json``: the same as one JSON object (:func:`smptk._env.collect_environment`).
 
 Plain text only (no rich needed), so it prints the same in a terminal, a CI log or a bug report.
@@ -35,6 +36,14 @@ def _fmt_bytes(n: int | None) -> str:
 
 def _or_unknown(value: Any) -> str:
     return "?" if value is None else str(value)
+
+
+def _meaning(name: str) -> str:
+    """``"  -- what it does"`` from :data:`smptk.settings.VARIABLES`, or "" for a name not in the table."""
+    from smptk.settings import VARIABLES
+
+    var = VARIABLES.get(name)
+    return f"  {var.meaning}" if var else ""
 
 
 def format_info(env: dict[str, Any]) -> str:
@@ -70,6 +79,17 @@ def format_info(env: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"kernels: {path}")
+
+    table = env.get("settings")
+    if isinstance(table, dict) and table:
+        lines.append("settings (* = set in the environment, - = decided at run time; smptk.settings):")
+        values = {
+            name: "-" if row.get("value") is None else str(row.get("value")) for name, row in table.items()
+        }
+        name_w, value_w = max(map(len, values)), min(max(map(len, values.values())), 12)
+        for name, row in table.items():
+            mark = "*" if row.get("set") else " "
+            lines.append(f"  {mark} {name:<{name_w}}  {values[name]:<{value_w}}{_meaning(name)}")
 
     gpus = env.get("gpus") or []
     if not gpus:

@@ -29,6 +29,7 @@ HAS_CUDA = torch.cuda.is_available()
 ENV_KEYS = {
     "smptk", "torch", "triton", "python", "cuda", "nccl", "cuda_available", "platform", "cpu_count",
     "git_sha", "git_dirty", "world_size", "rank", "interpreter", "kernel_path", "gpus", "gpu_note",
+    "settings",
 }  # fmt: skip
 
 
@@ -111,6 +112,24 @@ def test_collect_environment_never_raises_with_bad_kernel_switch(monkeypatch: py
     monkeypatch.setenv("SMPTK_KERNELS", "bogus")
     env = collect_environment()
     assert isinstance(env["kernel_path"], str) and "bogus" in env["kernel_path"]
+
+
+def test_info_lists_every_setting_with_its_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smptk.settings import VARIABLES
+
+    monkeypatch.setenv("SMPTK_POISON_OUTPUTS", "Yes")
+    monkeypatch.setenv("SMPTK_AUTOTUNE", "maybe")
+    monkeypatch.setenv("SMPTK_BENCH_JSONL", str(ROOT / "rows.jsonl"))
+    env = collect_environment()
+    assert set(env["settings"]) == set(VARIABLES)
+    assert env["settings"]["SMPTK_POISON_OUTPUTS"] == {"value": True, "set": True}
+    assert env["settings"]["SMPTK_AUTOTUNE"]["value"].startswith("error: SMPTK_AUTOTUNE='maybe'")
+    assert env["settings"]["SMPTK_BENCH_JSONL"] == {"value": "<a path>", "set": True}
+    text = format_info(env)
+    for name in VARIABLES:
+        assert name in text
+    assert "* SMPTK_POISON_OUTPUTS" in text and "  SMPTK_CHECK_OFFSETS" in text
+    _assert_no_personal_data(text)
 
 
 def test_format_info_gpu_line() -> None:

@@ -2,7 +2,7 @@
 
 ``select_path`` is tested directly with the interpreter and the Triton install monkeypatched, and end to
 end through ``fused_linear`` / ``swiglu`` by counting launches of the shared Triton GEMM launcher
-(``smptk.kernels._matmul.launch``, which every Triton forward goes through).
+(``smptk.kernels._gemm._Launch.run``, which every Triton GEMM goes through).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import NO_INTERPRETER_REASON, check_fused_linear, check_swiglu, linear_inputs, swiglu_inputs
 
-from smptk.kernels import _matmul, fused_linear, runtime, swiglu
+from smptk.kernels import _gemm, fused_linear, runtime, swiglu
 
 CPU = torch.empty(2, device="cpu")
 CPU_BF16 = torch.empty(2, device="cpu", dtype=torch.bfloat16)
@@ -24,10 +24,12 @@ FAKE_CUDA_BF16 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    """Set what ``runtime.interpreter_enabled()`` reports: ``interpreter(True)`` / ``interpreter(False)``."""
+    """Set what ``runtime.interpreter_enabled()`` reports: ``interpreter(True)`` / ``interpreter(False)``;
+    the kernels count as built in that state (``runtime.interpreter_at_import()``)."""
 
     def set_to(on: bool) -> None:
         monkeypatch.setattr(runtime, "interpreter_enabled", lambda: on)
+        monkeypatch.setattr(runtime, "interpreter_at_import", lambda: on)
 
     return set_to
 
@@ -63,11 +65,20 @@ def test_invalid_value_is_an_error(monkeypatch, value):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("1", True), ("true", True), ("Yes", True), (" on ", True), ("0", False), ("", False), ("no", False)],
-)
-def test_interpreter_enabled_reads_triton_interpret(monkeypatch, value, expected):
+    [
+        ("1", True), ("true", True), ("Yes", True), ("ON", True), ("y", True),
+        ("0", False), ("", False), ("no", False), ("bogus", False), (" on ", False),
+    ],
+)  # fmt: skip
+def test_interpreter_enabled_reads_triton_interpret_as_triton_does(monkeypatch, value, expected):
+    """Triton's reading decides whether kernels are interpreted, so ours must agree with it exactly
+    (it lower-cases, does not strip, and takes anything unknown as off)."""
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert runtime.interpreter_enabled() is expected
+    if runtime.triton_available():
+        from triton._C.libtriton import getenv_bool
+
+        assert getenv_bool("TRITON_INTERPRET", False) is expected
 
 
 SELECT_CASES = [
@@ -161,13 +172,13 @@ def test_describe(monkeypatch, interpreter, requested, interpret, expected):
 def launches(monkeypatch):
     """Counts calls of the Triton GEMM launcher while still launching."""
     calls = []
-    real = _matmul.launch
+    real = _gemm._Launch.run
 
-    def counting(*args, **kwargs):
-        calls.append(getattr(args[1], "__name__", repr(args[1])))
-        return real(*args, **kwargs)
+    def counting(self):
+        calls.append((self.grouping, self.dual))
+        return real(self)
 
-    monkeypatch.setattr(_matmul, "launch", counting)
+    monkeypatch.setattr(_gemm._Launch, "run", counting)
     return calls
 
 

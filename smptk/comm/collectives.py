@@ -9,7 +9,8 @@ are cut into heap-sized chunks, so any size works.
 Settings (:func:`configure`, or the environment before the first call): ``max_sms`` (SMPTK_COMM_MAX_SMS,
 default 8) programs per collective, ``timeout_s`` (SMPTK_COMM_TIMEOUT_S, default 300) per wait on a peer,
 ``heap_bytes`` (SMPTK_COMM_HEAP_BYTES, default 64 MiB) per rank. Every rank of a group must use the same
-settings and make the same sequence of calls, as with any collective library.
+settings and make the same sequence of calls, as with any collective library. The variables are read
+through :mod:`smptk.settings`, once per process (on first use).
 
 Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetric path)::
 
@@ -23,7 +24,6 @@ Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetr
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+import smptk.settings as env_settings
 from smptk.comm.heap import HeapUnavailable, SymmetricHeap
 from smptk.kernels import collectives as K
 from smptk.kernels import runtime
@@ -77,17 +78,6 @@ class _Settings:
     heap_bytes: int
 
 
-def _env_number(name: str, default: float, kind: type) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name}={raw!r}: expected {what}") from None
-
-
 _settings: _Settings | None = None
 # Per group, per backend ("cpu"/"cuda"): the heap, or None where none can be built. Keyed weakly by the
 # group object: a destroyed group's heap goes with it, and a new group never finds a stale heap (an
@@ -102,9 +92,9 @@ def _current() -> _Settings:
     global _settings
     if _settings is None:
         _settings = _Settings(
-            max_sms=int(_env_number("SMPTK_COMM_MAX_SMS", 8, int)),
-            timeout_s=float(_env_number("SMPTK_COMM_TIMEOUT_S", 300.0, float)),
-            heap_bytes=int(_env_number("SMPTK_COMM_HEAP_BYTES", 64 * 1024 * 1024, int)),
+            max_sms=env_settings.comm_max_sms(),
+            timeout_s=env_settings.comm_timeout_s(),
+            heap_bytes=env_settings.comm_heap_bytes(),
         )
         try:
             _validate(_settings)
@@ -253,7 +243,7 @@ def _fallback(group: dist.ProcessGroup) -> None:
 
 
 def _acc_type(dtype: torch.dtype):
-    import triton.language as tl
+    from smptk.kernels._triton import tl
 
     return tl.int32 if dtype == torch.int32 else tl.float32
 
@@ -346,7 +336,7 @@ def _launch(heap: SymmetricHeap, kernel, programs: int, *args, call: _Call, **me
 
 def _sync_checks() -> bool:
     """On CUDA, checking a kernel's status means a host sync; SMPTK_COMM_SYNC_CHECK=1 asks for it."""
-    return os.environ.get("SMPTK_COMM_SYNC_CHECK", "0") == "1"
+    return env_settings.comm_sync_check()
 
 
 def _raise_on_status(heap: SymmetricHeap, timeout_s: float) -> None:

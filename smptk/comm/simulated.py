@@ -268,7 +268,7 @@ class SimulatedWorld:
 
     @staticmethod
     def _acc(dtype: torch.dtype):
-        import triton.language as tl
+        from smptk.kernels._triton import tl
 
         return tl.int32 if dtype == torch.int32 else tl.float32
 

@@ -7,15 +7,16 @@ Tests switch it on; it costs one fill per buffer, so it is off by default.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from smptk import settings
 
 POISON_ENV = "SMPTK_POISON_OUTPUTS"
 
 
 def poison_enabled() -> bool:
-    return os.environ.get(POISON_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """``SMPTK_POISON_OUTPUTS`` (see :mod:`smptk.settings`), read at every allocation."""
+    return settings.poison_outputs()
 
 
 def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

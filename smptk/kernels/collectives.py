@@ -46,9 +46,7 @@ and write [11, 22, 33] into its output; a closing barrier keeps the regions aliv
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
+from smptk.kernels._triton import tl, triton
 from smptk.kernels.heap_layout import ABORT_OFFSET, CALL_OFFSET, MAX_WORLD, SEEN_OFFSET
 
 # Heap layout constants as tl.constexpr: the Triton compiler rejects plain Python globals in kernels.

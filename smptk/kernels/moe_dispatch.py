@@ -81,12 +81,11 @@ import math
 from fractions import Fraction
 
 import torch
-import triton
-import triton.language as tl
 
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer, poison_enabled
 from smptk.kernels._checks import check_float_tensor
+from smptk.kernels._triton import tl, triton
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

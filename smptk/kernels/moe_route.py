@@ -67,12 +67,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import check_float_tensor
+from smptk.kernels._triton import tl, triton
 from smptk.kernels.moe_dispatch import new_index_buffer, row_offset
 
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1}

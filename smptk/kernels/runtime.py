@@ -13,7 +13,15 @@ results off by orders of magnitude), so bf16 CPU tensors take the PyTorch path u
 error under ``triton``; bf16 runs on Triton on CUDA.
 
 ``TRITON_INTERPRET`` itself is read by Triton when a kernel module is imported, so set it before
-``import smptk.kernels``.
+``import smptk.kernels``. Setting it afterwards cannot turn compiled kernels into interpreted ones, so a
+CPU call that would take the Triton path then raises ``RuntimeError`` saying so, instead of Triton's
+"0 active drivers" crash; the state at import is :data:`smptk.kernels._triton.INTERPRETER_AT_IMPORT`.
+
+Tensors on the ``meta`` device (shape propagation, delayed initialization) always take the PyTorch path,
+which computes nothing on them; forcing ``triton`` for them is an error.
+
+Without Triton installed (:data:`smptk.kernels._triton.HAVE_TRITON` false) every call takes the PyTorch
+path under ``auto`` and is an error under ``triton``.
 
 Example::
 
@@ -24,39 +32,51 @@ Example::
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-
 import torch
+
+from smptk import settings
+from smptk.kernels import _triton
 
 KERNELS_ENV = "SMPTK_KERNELS"
 PATHS = ("triton", "torch")
 
 
 def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the host."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the host (read as Triton does)."""
+    return settings.triton_interpret()
 
 
-@functools.cache
+def interpreter_at_import() -> bool:
+    """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET`` at kernel import)."""
+    return _triton.INTERPRETER_AT_IMPORT
+
+
 def triton_available() -> bool:
-    """True when the ``triton`` package is installed (it is on Linux; elsewhere only the torch path runs)."""
-    return importlib.util.find_spec("triton") is not None
+    """True when the ``triton`` package imports (it does on Linux; elsewhere only the torch path runs)."""
+    return _triton.HAVE_TRITON
 
 
 def requested_path() -> str:
     """The value of ``SMPTK_KERNELS`` ("triton", "torch" or "auto"), validated."""
-    value = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if value not in (*PATHS, "auto"):
-        raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of 'triton', 'torch' or 'auto'")
-    return value
+    return settings.kernels()
+
+
+def _check_interpreter_unchanged() -> None:
+    """Raise when ``TRITON_INTERPRET`` was switched on after the kernels were compiled for a GPU."""
+    if interpreter_enabled() and not interpreter_at_import():
+        raise RuntimeError(
+            "TRITON_INTERPRET is set now but was not when smptk.kernels was imported, so its kernels are "
+            "compiled for a GPU and cannot run on CPU tensors; set TRITON_INTERPRET=1 before importing "
+            "smptk.kernels (or use SMPTK_KERNELS=torch)"
+        )
 
 
 def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
     """Why the Triton kernels cannot run on ``device`` / ``dtype`` here, or None when they can."""
     if not triton_available():
         return "triton is not installed"
+    if device.type == "meta":
+        return "tensors are on the meta device (shapes only); the PyTorch path propagates them"
     if device.type == "cuda":
         return None
     if device.type != "cpu" or not interpreter_enabled():
@@ -69,12 +89,16 @@ def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> s
 def select_path(*tensors: torch.Tensor) -> str:
     """Return "triton" or "torch" for a call whose tensor arguments are ``tensors``.
 
-    Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on.
+    Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on, and
+    for CPU tensors when ``TRITON_INTERPRET`` was switched on after ``import smptk.kernels``.
     """
     requested = requested_path()
     if requested == "torch":
         return "torch"
-    blocker = _triton_blocker(tensors[0].device, tensors[0].dtype)
+    device = tensors[0].device
+    if device.type == "cpu" and triton_available():
+        _check_interpreter_unchanged()
+    blocker = _triton_blocker(device, tensors[0].dtype)
     if requested == "triton" and blocker is not None:
         raise RuntimeError(f"{KERNELS_ENV}=triton but {blocker}")
     return "triton" if blocker is None else "torch"
@@ -87,6 +111,8 @@ def describe() -> dict[str, str]:
     for dev in ("cpu", "cuda"):
         if requested == "torch":
             out[dev] = "torch"
+        elif dev == "cpu" and triton_available() and interpreter_enabled() and not interpreter_at_import():
+            out[dev] = "error: TRITON_INTERPRET was set after smptk.kernels was imported"
         elif _triton_blocker(torch.device(dev)) is None:
             if not interpreter_enabled():
                 out[dev] = "triton"
