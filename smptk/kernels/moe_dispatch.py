@@ -52,6 +52,10 @@ without a capacity they are not (a check would be a sync): an id outside ``[0, E
 dropped pair (``dest = -1``) and leaves a zero row at the end of ``x_grouped``; it never writes out of
 bounds.
 
+Meta tensors (shape propagation, delayed initialization) take :func:`_dispatch_meta`: there are no ids
+to read, so without a capacity R = T * k as always, and with one R is the bound ``min(P, E * C)`` (every
+expert full) and ``num_dropped`` the matching ``P - R``; the plan's other shapes are exact.
+
 Backward (Triton): dispatch's ``dx[t] = sum_j dx_grouped[dest[t, j]]`` (kept j) is the unweighted form of
 the combine forward, one kernel ``_gather_sum_kernel`` for both (fp32 accumulation over j in slot order,
 one rounding, no atomics: deterministic). Combine's ``dy[r] = weights[pair] * dout[token]`` over grouped rows
@@ -740,6 +744,28 @@ def _dispatch_torch(
     return x[source_token], plan
 
 
+def _dispatch_meta(
+    x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, capacity: int | None
+) -> tuple[torch.Tensor, MoEDispatchPlan]:
+    """The shapes of a dispatch on meta tensors; R is an upper bound with a capacity (module docstring)."""
+    T, k = expert_ids.shape
+    P = T * k
+    R = P if capacity is None else min(P, num_experts * capacity)
+    index = torch.empty(R, dtype=torch.int64, device=x.device)
+    plan = MoEDispatchPlan(
+        offsets=torch.empty(num_experts + 1, dtype=torch.int64, device=x.device),
+        tokens_per_expert=torch.empty(num_experts, dtype=torch.int64, device=x.device),
+        dest=torch.empty(T, k, dtype=torch.int64, device=x.device),
+        source_token=index,
+        source_pair=torch.empty_like(index),
+        num_dropped=P - R,
+        capacity=capacity,
+        top_k=k,
+        num_experts=num_experts,
+    )
+    return x.index_select(0, index), plan
+
+
 def _combine_torch(y: torch.Tensor, plan: MoEDispatchPlan, weights: torch.Tensor) -> torch.Tensor:
     T, H = plan.num_tokens, y.shape[1]
     w_rows = weights.reshape(-1)[plan.source_pair].float()
@@ -784,7 +810,8 @@ def moe_dispatch(
         ``(x_grouped [R, H] in x's dtype, plan)``: expert e's rows are ``plan.offsets[e]:plan.offsets[e+1]``;
         see :class:`MoEDispatchPlan` and the module docstring for the worked example. Differentiable in x
         (the backward sums each token's rows). With a capacity the call reads 16 bytes back to size
-        ``x_grouped`` (one host sync); without one it reads nothing back on CUDA.
+        ``x_grouped`` (one host sync); without one it reads nothing back on CUDA. On meta tensors with a
+        capacity, R is the bound ``min(T * k, E * C)`` (the ids have no values to count).
 
     Example::
 
@@ -819,6 +846,8 @@ def moe_dispatch(
             raise ValueError(f"capacity_factor: expected a finite number > 0, got {capacity_factor}")
     T, k = expert_ids.shape
     capacity = capacity_of(capacity_factor, T, k, num_experts)
+    if x.device.type == "meta":
+        return _dispatch_meta(x, expert_ids, num_experts, capacity)
     if not _triton_path(x.device):
         return _dispatch_torch(x, expert_ids, num_experts, capacity)
     plan = dispatch_plan(expert_ids, num_experts, capacity)

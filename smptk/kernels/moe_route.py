@@ -458,7 +458,12 @@ def _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias) -> MoE
     weights = score.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    flat = ids.reshape(-1)
+    # scatter_add, not bincount: bincount sizes its output from the ids' maximum (a host sync on CUDA, and
+    # no meta kernel), while the counts' size E is known.
+    counts = torch.zeros(E, dtype=torch.int64, device=logits.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     if T == 0:
         zero = s.sum() * 0.0
         return MoERouting(weights, ids.int(), counts, zero, zero.clone())

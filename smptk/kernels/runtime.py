@@ -18,7 +18,8 @@ CPU call that would take the Triton path then raises ``RuntimeError`` saying so,
 "0 active drivers" crash; the state at import is :data:`smptk.kernels._triton.INTERPRETER_AT_IMPORT`.
 
 Tensors on the ``meta`` device (shape propagation, delayed initialization) always take the PyTorch path,
-which computes nothing on them; forcing ``triton`` for them is an error.
+under ``SMPTK_KERNELS=triton`` too: there is nothing to compute, only shapes to propagate, and a process
+that forces Triton for training must still be able to build and trace its model on meta.
 
 Without Triton installed (:data:`smptk.kernels._triton.HAVE_TRITON` false) every call takes the PyTorch
 path under ``auto`` and is an error under ``triton``.
@@ -75,8 +76,6 @@ def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> s
     """Why the Triton kernels cannot run on ``device`` / ``dtype`` here, or None when they can."""
     if not triton_available():
         return "triton is not installed"
-    if device.type == "meta":
-        return "tensors are on the meta device (shapes only); the PyTorch path propagates them"
     if device.type == "cuda":
         return None
     if device.type != "cpu" or not interpreter_enabled():
@@ -90,12 +89,13 @@ def select_path(*tensors: torch.Tensor) -> str:
     """Return "triton" or "torch" for a call whose tensor arguments are ``tensors``.
 
     Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on, and
-    for CPU tensors when ``TRITON_INTERPRET`` was switched on after ``import smptk.kernels``.
+    for CPU tensors when ``TRITON_INTERPRET`` was switched on after ``import smptk.kernels``. Meta tensors
+    get "torch" whatever ``SMPTK_KERNELS`` says (see the module docstring).
     """
     requested = requested_path()
-    if requested == "torch":
-        return "torch"
     device = tensors[0].device
+    if requested == "torch" or device.type == "meta":
+        return "torch"
     if device.type == "cpu" and triton_available():
         _check_interpreter_unchanged()
     blocker = _triton_blocker(device, tensors[0].dtype)

@@ -136,6 +136,9 @@ class MoE(nn.Module):
     (the :class:`~smptk.kernels.moe_dispatch.MoEDispatchPlan`, e.g. ``num_dropped``). The buffer
     ``tokens_per_expert`` [E] accumulates routed pairs per expert until :meth:`update_expert_bias`.
 
+    On the ``meta`` device (delayed initialization) forward and backward propagate shapes; with a
+    capacity the grouped buffer takes its bound ``min(T * k, E * C)`` rows (see :func:`moe_dispatch`).
+
     Example::
 
         >>> moe = MoE(64, 128, num_experts=8, top_k=2, num_shared_experts=1, capacity_factor=1.25)
@@ -232,13 +235,23 @@ class MoE(nn.Module):
         return range(self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts)
 
     def reset_parameters(self) -> None:
-        """Router ~ N(0, 0.02^2); projections uniform in +-1/sqrt(fan_in), nn.Linear's default bound."""
+        """Router ~ N(0, 0.02^2); projections uniform in +-1/sqrt(fan_in), nn.Linear's default bound; the
+        expert bias and the load counts back to zero.
+
+        Also what delayed initialization calls: a layer built under ``torch.device("meta")`` and
+        materialized with ``to_empty`` (which leaves buffers uninitialized too) is then the layer built
+        directly, for the same random state.
+        """
         nn.init.normal_(self.router_weight, std=0.02)
         for name in ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"):
             w = getattr(self, name, None)
             if w is not None:
                 bound = 1.0 / math.sqrt(w.shape[-1])
                 nn.init.uniform_(w, -bound, bound)
+        with torch.no_grad():
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``; sets :attr:`aux_loss`, :attr:`last_routing`, :attr:`last_plan`."""
