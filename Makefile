@@ -5,9 +5,12 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP_TEST := $(VENV)/.smptk-test
 STAMP_DEV := $(VENV)/.smptk-dev
+GPU_CHECK_MINUTES ?= 25
+# make's start time: gpu-check's budget counts the venv bootstrap too
+GPU_CHECK_T0 := $(shell date +%s)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: test bench lint format info clean
+.PHONY: test bench gpu-check lint format info clean
 
 $(STAMP_TEST): pyproject.toml scripts/bootstrap.py
 	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras test
@@ -24,6 +27,11 @@ test: $(STAMP_TEST)
 ## bench: the benchmark suite and its report (GPU: measured; CPU: quick functional mode)
 bench: $(STAMP_TEST)
 	$(VPY) -m bench $(BENCH_ARGS)
+
+## gpu-check: the one command a GPU machine runs: GPU tests, every benchmark (targets' cases first) and
+## the targets table, all within GPU_CHECK_MINUTES (bench/gpu_check.py; GPU_CHECK_ARGS passes options)
+gpu-check: $(STAMP_TEST)
+	$(VPY) -m bench.gpu_check --minutes $(GPU_CHECK_MINUTES) --since $(GPU_CHECK_T0) $(GPU_CHECK_ARGS)
 
 ## info: versions, GPUs and which kernel path will run
 info: $(STAMP_TEST)

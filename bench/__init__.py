@@ -12,6 +12,9 @@ Modules:
 - :mod:`bench.rows`: the JSON-lines row schema and writer.
 - :mod:`bench.report`: the self-contained HTML report (tables + inline SVG).
 - :mod:`bench.progress`: the progress display plugin used by ``python -m bench``.
+- :mod:`bench.targets`: the performance targets table and how a run's rows are judged against it.
+- :mod:`bench.gpu_check`: ``make gpu-check``: GPU tests, every suite (targets' cases first) and the targets
+  table within one time budget.
 - ``test_bench_*.py``: the suites (first one: :mod:`bench.test_bench_linear`).
 
 Nothing in this package imports ``smptk.kernels`` at import time: on a CPU, ``TRITON_INTERPRET=1`` has to

@@ -1,0 +1,282 @@
+"""``make gpu-check`` (bench/gpu_check.py) and its targets table (bench/targets.py), on any machine.
+
+The targets are judged on synthetic rows (met, not met, missing rows, missing baselines, quick-mode rows,
+skipped cases, too few GPUs, several configs where the worst decides); the benchmark order and the
+child's deadline are checked on stand-in items and a throwaway test file; one end-to-end run of
+``python -m bench.gpu_check`` in quick mode on one tiny case prints the table with every target
+"not measured".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import gpu_check
+from bench import targets as T
+from bench.config import CPU_NOTE
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = {"M": 16384, "K": 4096, "N": 14336}
+ONE_CASE = "fused_linear_none and fwd and not fwd_bwd and M7 and K16 and smptk"
+
+
+def row(impl: str, median_s: float, **fields: Any) -> dict[str, Any]:
+    """A synthetic measure-mode measurement row (the fields a target reads, nothing else)."""
+    base = {
+        "kind": "measurement",
+        "mode": "measure",
+        "note": None,
+        "run_id": "run-1",
+        "test_id": f"synthetic::{impl}",
+        "impl": impl,
+        "time_s": {"median": median_s},
+    }
+    return base | fields
+
+
+def linear(impl: str, median_s: float, pass_: str = "fwd", op: str = "fused_linear", **kw: Any) -> dict:
+    act = "gelu" if op == "fused_linear" else None
+    fields = {"suite": "linear", "op": op, "activation": act, "bias": op == "fused_linear", "pass": pass_}
+    fields |= {"dtype": "bfloat16", "shape": dict(SHAPE)}
+    return row(impl, median_s, **fields, **kw)
+
+
+def target(target_id: str) -> T.Target:
+    (found,) = [t for t in T.TARGETS if t.id == target_id]
+    return found
+
+
+def judge(target_id: str, rows: list[dict], gpu_count: int | None = 1) -> T.Result:
+    return T.evaluate_one(target(target_id), rows, gpu_count)
+
+
+# ----------------------------------------------------------------------------- the table itself
+def test_targets_table_is_well_formed() -> None:
+    ids = [t.id for t in T.TARGETS]
+    assert len(ids) == len(set(ids))
+    assert {t.issue for t in T.TARGETS} == {3, 4, 9}
+    for t in T.TARGETS:
+        assert t.op in (">=", "<=") and t.description and t.threshold_text.startswith(t.op)
+
+
+def test_met_and_not_met_from_the_rows_ratios() -> None:
+    rows = [
+        linear("smptk", 1.0e-3, tflops=850.0),
+        linear("torch_eager", 1.2e-3),
+        linear("torch_matmul", 0.9e-3, tflops=1000.0),
+    ]
+    speedup = judge("linear.gelu_fwd_vs_eager", rows)
+    assert speedup.status == "met" and speedup.value == pytest.approx(1.2)
+    assert speedup.measured == "smptk 1 ms" and speedup.baseline == "torch_eager 1.2 ms"
+    pct = judge("linear.gelu_fwd_vs_matmul", rows)
+    assert pct.status == "not met" and pct.value == pytest.approx(85.0)
+    assert pct.test_ids == ("synthetic::smptk", "synthetic::torch_matmul")
+    # The baseline must be the same case: an eager row of another shape does not count.
+    other = [rows[0], linear("torch_eager", 1.2e-3) | {"shape": {"M": 4096, "K": 4096, "N": 14336}}]
+    assert judge("linear.gelu_fwd_vs_eager", other).status == "not measured"
+
+
+def test_missing_rows_and_missing_baseline_are_not_measured() -> None:
+    none = judge("linear.gelu_fwd_vs_eager", [])
+    assert none.status == "not measured" and "no row in this run" in none.reason
+    alone = judge("linear.gelu_fwd_vs_eager", [linear("smptk", 1e-3)])
+    assert alone.status == "not measured" and "no baseline row" in alone.reason
+    assert alone.value is None and alone.status_text.startswith("not measured (")
+
+
+def test_quick_mode_rows_are_not_measured() -> None:
+    quick = [
+        r | {"mode": "quick", "note": CPU_NOTE} for r in (linear("smptk", 1e-3), linear("torch_eager", 2e-3))
+    ]
+    result = judge("linear.gelu_fwd_vs_eager", quick)
+    assert result.status == "not measured" and CPU_NOTE in result.reason
+    # A quick run of other (tiny) shapes: the whole run is not a measurement.
+    tiny = [r | {"shape": {"M": 7, "K": 16, "N": 24}} for r in quick]
+    result = judge("linear.gelu_fwd_vs_eager", tiny)
+    assert result.status == "not measured" and "no measurement in this run" in result.reason
+
+
+def test_skipped_case_gives_its_reason() -> None:
+    skipped = linear("smptk", 0.0) | {"kind": "skipped", "reason": "needs about 90 GiB", "time_s": None}
+    result = judge("linear.gelu_fwd_vs_eager", [skipped, linear("torch_eager", 1e-3)])
+    assert result.status == "not measured" and "skipped: needs about 90 GiB" in result.reason
+
+
+def test_only_the_given_run_counts() -> None:
+    rows = [linear("smptk", 1e-3), linear("torch_eager", 2e-3) | {"run_id": "run-0"}]
+    (result,) = T.evaluate(rows, gpu_count=1, run_id="run-1", targets=[target("linear.gelu_fwd_vs_eager")])
+    assert result.status == "not measured"
+
+
+def moe(op: str, impl: str, median_s: float, config: str, pass_: str = "fwd+bwd", **kw: Any) -> dict:
+    shape = {"mixtral": {"T": 16384, "H": 4096, "F": 14336, "E": 8, "k": 2}}.get(
+        config, {"T": 16384, "H": 2048, "F": 1408, "E": 64, "k": 6}
+    )
+    fields = {"suite": "moe", "op": op, "pass": pass_, "config": config, "tokens": 16384, "shape": shape}
+    return row(impl, median_s, **fields, **kw)
+
+
+def test_worst_config_decides_and_routing_share() -> None:
+    rows = [
+        moe("moe_layer", "smptk", 10e-3, "mixtral"),
+        moe("moe_layer", "eager_loop", 40e-3, "mixtral"),  # 4x
+        moe("moe_layer", "smptk", 10e-3, "fine_grained"),
+        moe("moe_layer", "eager_loop", 25e-3, "fine_grained"),  # 2.5x: the worst
+        moe("moe_routing", "smptk_routing", 0.5e-3, "mixtral"),  # 5%
+        moe("moe_routing", "smptk_routing", 1.5e-3, "fine_grained"),  # 15%: the worst
+    ]
+    layer = judge("moe.layer_vs_eager_loop", rows)
+    assert layer.status == "not met" and layer.value == pytest.approx(2.5)
+    assert layer.case.startswith("fine_grained fwd+bwd T=16384") and "worst of 2" in layer.case
+    share = judge("moe.routing_share", rows)
+    assert share.status == "not met" and share.value == pytest.approx(15.0)
+    assert judge("moe.routing_share", rows[:5]).value == pytest.approx(5.0)
+    assert judge("moe.layer_vs_grouped_mm", rows).status == "not measured"
+
+
+def test_grouped_gemm_against_dense() -> None:
+    shape = {"M": 32768, "K": 4096, "N": 14336, "E": 8}
+    common = {"suite": "moe", "op": "grouped_gemm", "pass": "fwd", "config": "mixtral", "tokens": 16384}
+    rows = [
+        row("torch_matmul", 1e-3, **common, shape=shape, tflops=800.0),
+        row("smptk", 1e-3, **common, shape=shape, tflops=640.0),
+    ]
+    assert judge("moe.grouped_vs_dense_85", rows).status == "not met"
+    result = judge("moe.grouped_vs_dense_70", rows)
+    assert result.status == "met" and result.value == pytest.approx(80.0)
+
+
+def test_comm_best_peer_traffic_and_worst_slowdown() -> None:
+    sim = {"suite": "comm_simulated", "world": 8, "op": "all_gather"}
+    rows = [
+        row("smptk", 1.0, **sim, max_sms=8, size_bytes=256 << 20, peer_gbps=470.0),
+        row("smptk", 1.0, **sim, max_sms=4, size_bytes=256 << 20, peer_gbps=300.0),
+        row("smptk", 1.0, **sim, max_sms=16, size_bytes=256 << 20, peer_gbps=900.0),  # > 8 SMs: not counted
+        row("smptk", 1.0, **sim, max_sms=8, size_bytes=1 << 20, peer_gbps=990.0),  # < 64 MiB: not counted
+    ]
+    peer = judge("comm.simulated_peer_gbps", rows)
+    assert peer.status == "met" and peer.value == pytest.approx(470.0)
+    inter = {"suite": "comm_interference", "op": "all_reduce_one_shot", "gemm_alone_s": {"median": 1e-3}}
+    slow = [
+        row("smptk", 1.05e-3, **inter, max_sms=8, slowdown=1.05, slowdown_bound=1.0727),
+        row("smptk", 1.40e-3, **inter, max_sms=32, slowdown=1.40, slowdown_bound=1.2909),
+    ]
+    result = judge("comm.gemm_slowdown", slow)
+    assert result.status == "not met" and result.value == pytest.approx(1.40 / 1.2909)
+    assert judge("comm.gemm_slowdown", slow[:1]).status == "met"
+
+
+def test_busbw_target_needs_two_gpus_and_reads_nccl_ctas() -> None:
+    bw = {"suite": "comm_dist_bandwidth", "collective": "all_reduce", "size_bytes": 1 << 30}
+    nccl = {"suite": "comm_dist_nccl", "collective": "all_reduce", "size_bytes": 1 << 30}
+    rows = [
+        row("smptk", 1.0, **bw, op="all_reduce_two_shot", max_sms=8, busbw_gbps=380.0),
+        row("smptk", 1.0, **bw, op="all_reduce_two_shot", max_sms=16, busbw_gbps=500.0),  # > 24/3 SMs
+        row("torch.distributed:nccl", 1.0, **nccl, nccl_config="default", busbw_gbps=360.0)
+        | {"nccl_ctas_observed": {"max": 24}},
+    ]
+    one = judge("comm.busbw_vs_nccl", rows, gpu_count=1)
+    assert one.status == "not measured" and "needs >= 2 GPUs" in one.reason
+    eight = judge("comm.busbw_vs_nccl", rows, gpu_count=8)
+    assert eight.status == "met" and eight.value == pytest.approx(380.0 / 360.0)
+    assert "8 SMs" in eight.measured and "24 CTAs" in eight.baseline
+    unseen = [*rows[:2], rows[2] | {"nccl_ctas_observed": None, "nccl_ctas_note": "no trace"}]
+    result = judge("comm.busbw_vs_nccl", unseen, gpu_count=8)
+    assert result.status == "not measured" and "not observed" in result.reason
+
+
+# ----------------------------------------------------------------------------- benchmark order
+def _item(nodeid: str, fields: dict[str, Any] | None) -> Any:
+    case = types.SimpleNamespace(fields=lambda: fields) if fields is not None else None
+    params = {"case": case} if case is not None else {"part": "ddp"}
+    return types.SimpleNamespace(nodeid=nodeid, callspec=types.SimpleNamespace(params=params))
+
+
+def test_targets_cases_run_first_in_target_order() -> None:
+    gelu = {
+        "suite": "linear",
+        "op": "fused_linear",
+        "activation": "gelu",
+        "dtype": "bfloat16",
+        "shape": SHAPE,
+    }
+    items = [
+        _item("bench/test_bench_comm_dist.py::test_comm_dist[ddp]", None),
+        _item("bench/test_bench_comm_dist.py::test_comm_dist[nccl]", None),
+        _item("a::other", {"suite": "linear", "op": "swiglu", "shape": {"M": 4096}}),
+        _item("a::matmul", gelu | {"pass": "fwd", "impl": "torch_matmul"}),
+        _item("a::smptk", gelu | {"pass": "fwd", "impl": "smptk"}),
+        _item("a::eager", gelu | {"pass": "fwd", "impl": "torch_eager"}),
+        _item("b::routing", {"suite": "moe", "op": "moe_routing", "tokens": 16384, "impl": "smptk_routing"}),
+        _item("b::layer", {"suite": "moe", "op": "moe_layer", "tokens": 16384, "impl": "smptk"}),
+    ]
+    order, first = gpu_check.ordered(items)
+    assert [i.nodeid for i in order] == [
+        "a::smptk",
+        "a::eager",
+        "a::matmul",
+        "b::routing",  # before the layer row whose routing_share reads its median
+        "b::layer",
+        "bench/test_bench_comm_dist.py::test_comm_dist[nccl]",
+        "bench/test_bench_comm_dist.py::test_comm_dist[ddp]",
+        "a::other",
+    ]
+    assert first == 6
+
+
+def test_child_stops_at_its_deadline(tmp_path: Path) -> None:
+    """No test starts after the deadline; the one running finishes; the rest are listed as not reached."""
+    test_file = tmp_path / "test_sleepy.py"
+    test_file.write_text(
+        "import json, os, time\n\ndef test_a():\n    pass\n\n"
+        "def test_b():  # ends just after the deadline\n"
+        f"    deadline = json.loads(os.environ[{gpu_check.PLUGIN_ENV!r}])['deadline']\n"
+        "    time.sleep(max(0.0, deadline - time.time() + 0.5))\n\n"
+        "def test_c():\n    pass\n"
+    )
+    argv = [sys.executable, "-m", "pytest", str(test_file), "-p", "bench.gpu_check", "-q"]
+    argv += ["-p", "no:cacheprovider", "-p", "no:timeout", f"--rootdir={tmp_path}"]
+    child = gpu_check.run_child(argv, budget_s=12, order=False, test_timeout_s=None, env=dict(os.environ))
+    assert child.outcomes.get("test_sleepy.py::test_a") == "passed"
+    assert gpu_check._not_reached(child) == {"test_sleepy.py": ["test_sleepy.py::test_c"]}
+    assert child.budget_stop  # logged before the child exits (or, on a busy machine, is killed)
+    assert child.wall_s < 12
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_gpu_check_end_to_end_quick(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SMPTK_BENCH_", "SMPTK_GPU_CHECK"))}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--minutes", "2", "--skip-tests", "--quick",
+         "--filter", ONE_CASE, "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    lines = [line for line in out.splitlines() if line.strip()]
+    banner = "nothing was measured"
+    assert banner in lines[0] and banner in lines[-1], (lines[0], lines[-1])
+    if "cpu (no CUDA device)" in out:
+        assert lines[0] == lines[-1] and lines[0].startswith("gpu-check: cpu: nothing was measured")
+    assert "TARGETS" in out and "phase setup" in out and "phase benchmarks" in out
+    assert f"targets 0 met, 0 not met, {len(T.TARGETS)} not measured" in out
+    (summary_path,) = tmp_path.rglob("*.targets.json")
+    summary = json.loads(summary_path.read_text())
+    assert [t["id"] for t in summary["targets"]] == [t.id for t in T.TARGETS]
+    assert {t["status"] for t in summary["targets"]} == {"not measured"}
+    assert all(t["reason"] for t in summary["targets"])
+    assert summary["benchmarks"]["counts"] == {"passed": 1} and summary["tests"] is None
+    assert set(summary["phases_s"]) == {"setup", "benchmarks", "targets", "total"}
+    jsonl = Path(summary["results"])
+    assert summary_path.name == jsonl.stem + ".targets.json" and jsonl.exists()
+    page = jsonl.with_suffix(".html").read_text()
+    assert "Targets (make gpu-check)" in page and "linear.gelu_fwd_vs_eager" in page
