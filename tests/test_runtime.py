@@ -7,7 +7,12 @@ end through ``fused_linear`` / ``swiglu`` by counting launches of the shared Tri
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,3 +242,78 @@ def test_poison_env_fills_new_buffers_with_nan(monkeypatch):
     monkeypatch.setenv("SMPTK_POISON_OUTPUTS", "1")
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert torch.isnan(new_buffer((3, 5), dtype, torch.device("cpu"))).all()
+
+
+# --- TRITON_INTERPRET changed after import ------------------------------------------------------------------
+
+LATE_INTERPRETER = textwrap.dedent(
+    """
+    import os
+    import torch
+    from smptk.kernels import fused_linear, moe_dispatch, moe_route, runtime, swiglu
+
+    assert not runtime.interpreter_at_import()
+    os.environ["TRITON_INTERPRET"] = "1"  # too late: the kernels are compiled for a GPU
+    assert runtime.interpreter_enabled()
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    calls = {
+        "fused_linear": lambda: fused_linear(x, w),
+        "swiglu": lambda: swiglu(x, w, w),
+        "moe_route": lambda: moe_route(x, 2),
+        "moe_dispatch": lambda: moe_dispatch(x, torch.zeros(3, 2, dtype=torch.int64), 4),
+    }
+    for requested in ("auto", "triton"):
+        os.environ["SMPTK_KERNELS"] = requested
+        for name, call in calls.items():
+            try:
+                call()
+            except RuntimeError as e:
+                assert "before importing smptk.kernels" in str(e), (name, str(e))
+            else:
+                raise AssertionError(f"{name} ran under SMPTK_KERNELS={requested}")
+    assert runtime.describe()["cpu"].startswith("error: TRITON_INTERPRET was set after"), runtime.describe()
+    os.environ["SMPTK_KERNELS"] = "torch"  # the way out the message names
+    torch.testing.assert_close(fused_linear(x, w), x @ w.T)
+    print("LATE OK")
+    """
+)
+
+EARLY_THEN_UNSET = textwrap.dedent(
+    """
+    import os
+    import torch
+    from smptk.kernels import fused_linear, runtime
+
+    assert runtime.interpreter_at_import()
+    del os.environ["TRITON_INTERPRET"]  # interpreted kernels, interpreter now off: CPU runs torch
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    assert runtime.select_path(x) == "torch"
+    torch.testing.assert_close(fused_linear(x, w), x @ w.T)
+    print("EARLY OK")
+    """
+)
+
+
+def _run_child(code: str, interpret: bool) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("SMPTK_")}
+    env["PYTHONPATH"] = str(root)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.skipif(not runtime.triton_available(), reason="triton is not installed: no interpreter to set")
+def test_interpreter_set_after_import_is_a_clear_error():
+    """Triton fixes interpreted-or-compiled when smptk.kernels is imported; setting TRITON_INTERPRET later
+    used to end in Triton's "0 active drivers" crash on CPU tensors. Now every op says what to do."""
+    proc = _run_child(LATE_INTERPRETER, interpret=False)
+    assert proc.returncode == 0 and "LATE OK" in proc.stdout, proc.stderr[-4000:]
+
+
+@pytest.mark.skipif(not runtime.triton_available(), reason="triton is not installed: no interpreter to set")
+def test_interpreter_unset_after_import_runs_torch_on_cpu():
+    proc = _run_child(EARLY_THEN_UNSET, interpret=True)
+    assert proc.returncode == 0 and "EARLY OK" in proc.stdout, proc.stderr[-4000:]
