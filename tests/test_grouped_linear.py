@@ -35,8 +35,8 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smptk.kernels import _grouped_gemm, runtime
-from smptk.kernels._grouped_gemm import expert_row_tile, expert_rows
+from smptk.kernels import _gemm, _index, runtime
+from smptk.kernels._index import expert_row_tile, expert_rows
 from smptk.kernels.grouped_linear import (  # by module path: smptk.kernels re-exports the functions
     GroupedLinearFunction,
     GroupedSwiGLUFunction,
@@ -350,21 +350,22 @@ def test_one_launch_per_gemm(monkeypatch):
     """The Triton path launches one grouped kernel per GEMM whatever E is: forward 1, backward 2 (dx and
     dweight + dbias together); the torch path launches none."""
     launched = []
-    real = _grouped_gemm._launch
+    real = _gemm._Launch.run
+    names = {(1, 0): "rows", (1, 2): "rows_swiglu", (1, 1): "rows_sum", (2, 0): "reduction"}
     monkeypatch.setattr(
-        _grouped_gemm, "_launch", lambda *a, **k: (launched.append(a[1].__name__), real(*a, **k))
+        _gemm._Launch, "run", lambda self: (launched.append(names[self.grouping, self.dual]), real(self))
     )
     counts, K, N = ODD["cpu"][1][1:]  # E = 7 with empty experts
     use_path(monkeypatch, "triton", "cpu")
     x, w, offsets, b = linear_case(counts, K, N, dtype=torch.float32, device="cpu")
     out = grouped_linear(x, w, offsets, bias=b, activation="gelu")
-    assert launched == ["_grouped_mm_kernel"]
+    assert launched == ["rows"]
     out.sum().backward()
-    assert sorted(launched) == ["_grouped_dw_kernel", "_grouped_mm_kernel", "_grouped_mm_kernel"]
+    assert sorted(launched) == ["reduction", "rows", "rows"]
     launched.clear()
     x2, wg, wu, _ = swiglu_case(counts, K, N, dtype=torch.float32, device="cpu")
     grouped_swiglu(x2, wg, wu, offsets).sum().backward()
-    assert sorted(launched) == ["_grouped_dw_kernel", "_grouped_mm_kernel", "_grouped_swiglu_fwd_kernel"]
+    assert sorted(launched) == ["reduction", "rows_sum", "rows_swiglu"]
     launched.clear()
     monkeypatch.setenv("SMPTK_KERNELS", "torch")
     grouped_linear(x, w, offsets, bias=b).sum().backward()
@@ -486,7 +487,7 @@ def test_index_math_past_int32(device):
 def test_row_tile_bound(counts, block_m):
     """The launch's upper bound covers every expert's tiles: sum cdiv(rows_e, BLOCK_M) <= bound."""
     T = sum(counts)
-    assert sum(-(-c // block_m) for c in counts) <= _grouped_gemm.row_tile_bound(T, len(counts), block_m)
+    assert sum(-(-c // block_m) for c in counts) <= _index.row_tile_bound(T, len(counts), block_m)
 
 
 # --- bad input --------------------------------------------------------------------------------------------

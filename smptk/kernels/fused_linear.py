@@ -4,14 +4,14 @@ Shapes: x ``[..., K]`` (any leading dims, any strides), weight ``[N, K]`` (nn.Li
 y ``[..., N]`` in x's dtype. Activations: None, "relu", "gelu" (erf), "gelu_tanh", "silu".
 Legend: M = prod(leading dims of x) rows, K input features, N output features; ``z = x @ w.T + b``.
 
-Forward: one launch of the shared matmul core (``_matmul.py``) with bias and activation applied to the
-fp32 accumulator before the only store, so y never makes the extra round trips through HBM that eager's
+Forward: one launch of the GEMM engine (``_gemm.py``: persistent; TMA loads and stores on Hopper) with
+bias and activation applied to the fp32 accumulator before the only store, so y never makes the extra round trips through HBM that eager's
 ``addmm`` + ``gelu`` take (2 x M x N elements read and written for the separate epilogue op).
 
 Backward (three launches, all Triton):
-1. ``_act_bwd_kernel``: ``dz = dy * act'(z)`` and per-row-chunk partial column sums of dz (for dbias),
-   then ``_colsum_kernel`` adds the partials. Partials + a second pass keep dbias deterministic (no atomics).
-2. ``dx = dz @ w`` and 3. ``dw = dz.T @ x`` with the same matmul core; only the grads autograd asks for.
+1. ``_epilogue.activation_backward``: ``dz = dy * act'(z)`` and the column sums of dz (dbias),
+   deterministic (per-row-chunk partials and a second pass, no atomics).
+2. ``dx = dz @ w`` and 3. ``dw = dz.T @ x`` with the GEMM engine; only the grads autograd asks for.
 
 Pre-activation z is **saved, not recomputed**: with an activation the forward writes z (x's dtype) next
 to y when grad is needed. Recomputing z would add a third M x N x K GEMM to the backward (+50% backward
@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from smptk.kernels import _matmul, runtime
+from smptk.kernels import _gemm, runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
     autocast_inputs,
@@ -45,126 +43,7 @@ from smptk.kernels._checks import (
     check_same,
     check_weight,
 )
-from smptk.kernels._matmul import ACTIVATION_CODES, activation_grad
-
-# dz kernel tiles. ROWS_PER_PROG rows per program bound the partial-sum buffer to ceil(M/512) x N fp32
-# (32 x 14336 x 4 B = 1.8 MB at M=16384) while leaving thousands of programs at LLM sizes. Untuned.
-_BWD_BLOCK = {"BLOCK_M": 32, "BLOCK_N": 128, "ROWS_PER_PROG": 512}
-_BWD_BLOCK_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 32, "ROWS_PER_PROG": 32}
-_COLSUM_BLOCK_N = 256  # one program reduces 256 columns over all partial rows; memory-bound, untuned
-
-
-@triton.jit
-def _act_bwd_kernel(
-    dy_ptr,
-    z_ptr,
-    dz_ptr,
-    partial_ptr,
-    M,
-    N,
-    stride_dym,
-    stride_dyn,
-    stride_zm,
-    stride_zn,
-    stride_dzm,
-    stride_dzn,
-    ACTIVATION: tl.constexpr,
-    STORE_DZ: tl.constexpr,
-    COLSUM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS_PER_PROG: tl.constexpr,
-):
-    """dz = dy * act'(z) over rows [pid_r * ROWS_PER_PROG, +ROWS_PER_PROG) x columns of block pid_n.
-
-    dy_ptr, z_ptr, dz_ptr: [M, N] with the given strides (z unused without activation).
-    partial_ptr: [cdiv(M, ROWS_PER_PROG), N] fp32 contiguous; row pid_r gets this chunk's column sums of dz.
-    """
-    pid_r = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    colsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row0 = pid_r.to(tl.int64) * ROWS_PER_PROG
-    for r in range(0, ROWS_PER_PROG, BLOCK_M):
-        rows = row0 + r + tl.arange(0, BLOCK_M)
-        mask = (rows[:, None] < M) & col_ok[None, :]
-        dz = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0)
-        dz = dz.to(tl.float32)
-        if ACTIVATION != 0:
-            z = tl.load(z_ptr + rows[:, None] * stride_zm + cols[None, :] * stride_zn, mask=mask, other=0.0)
-            dz = dz * activation_grad(z.to(tl.float32), ACTIVATION)
-        if STORE_DZ:
-            tl.store(
-                dz_ptr + rows[:, None] * stride_dzm + cols[None, :] * stride_dzn,
-                dz.to(dz_ptr.dtype.element_ty),
-                mask=mask,
-            )
-        if COLSUM:
-            colsum += tl.sum(dz, axis=0)
-    if COLSUM:
-        tl.store(partial_ptr + pid_r.to(tl.int64) * N + cols, colsum, mask=col_ok)
-
-
-@triton.jit
-def _colsum_kernel(partial_ptr, out_ptr, R, N, BLOCK_N: tl.constexpr):
-    """out[N] = sum over r < R of partial[r, :]; partial is [R, N] fp32 contiguous, out in its own dtype."""
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    ptrs = partial_ptr + cols
-    for _ in range(0, R):
-        acc += tl.load(ptrs, mask=ok, other=0.0)
-        ptrs += N  # pointer arithmetic is 64-bit: no int32 r * N product
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def _bwd_blocks() -> dict[str, int]:
-    return _BWD_BLOCK_INTERPRETER if runtime.interpreter_enabled() else _BWD_BLOCK
-
-
-def activation_backward(
-    dy_MN: torch.Tensor, z_MN: torch.Tensor | None, activation: int, want_colsum: bool, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return ``(dz, column sums of dz)``: dz = dy * act'(z) (dy itself without activation).
-
-    ``want_colsum`` asks for the column sums (the bias gradient) in ``out_dtype``; otherwise None.
-    """
-    M, N = dy_MN.shape
-    store_dz = activation != _matmul.ACT_NONE
-    if not store_dz and not want_colsum:
-        return dy_MN, None
-    dz = new_buffer((M, N), dy_MN.dtype, dy_MN.device) if store_dz else dy_MN
-    colsum = new_buffer((N,), out_dtype, dy_MN.device) if want_colsum else None
-    if M == 0 or N == 0:
-        if colsum is not None:
-            colsum.zero_()
-        return dz, colsum
-    blocks = _bwd_blocks()
-    rows = triton.cdiv(M, blocks["ROWS_PER_PROG"])
-    partial = new_buffer((rows, N), torch.float32, dy_MN.device) if want_colsum else dy_MN
-    z = z_MN if z_MN is not None else dy_MN
-    _act_bwd_kernel[(rows, triton.cdiv(N, blocks["BLOCK_N"]))](
-        dy_MN,
-        z,
-        dz,
-        partial,
-        M,
-        N,
-        dy_MN.stride(0),
-        dy_MN.stride(1),
-        z.stride(0),
-        z.stride(1),
-        dz.stride(0),
-        dz.stride(1),
-        ACTIVATION=activation,
-        STORE_DZ=store_dz,
-        COLSUM=want_colsum,
-        **blocks,
-    )
-    if want_colsum:
-        _colsum_kernel[(triton.cdiv(N, _COLSUM_BLOCK_N),)](partial, colsum, rows, N, BLOCK_N=_COLSUM_BLOCK_N)
-    return dz, colsum
+from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_backward
 
 
 def fused_linear_fwd(
@@ -174,7 +53,7 @@ def fused_linear_fwd(
     M, N = x_MK.shape[0], w_NK.shape[0]
     y = new_buffer((M, N), x_MK.dtype, x_MK.device)
     z = new_buffer((M, N), x_MK.dtype, x_MK.device) if save_z else None
-    _matmul.matmul(x_MK, w_NK.t(), y, bias_N=bias_N, activation=activation, z_out_MN=z)
+    _gemm.matmul(x_MK, w_NK.t(), y, bias_N=bias_N, activation=activation, z_out_MN=z)
     return y, z
 
 
@@ -195,13 +74,13 @@ def fused_linear_bwd(
         if w_NK.shape[0] == 0:
             dx.zero_()
         else:
-            _matmul.matmul(dz, w_NK, dx)
+            _gemm.matmul(dz, w_NK, dx)
     if need_dw:
         dw = new_buffer(w_NK.shape, w_NK.dtype, w_NK.device)
         if x_MK.shape[0] == 0:
             dw.zero_()
         else:
-            _matmul.matmul(dz.t(), x_MK, dw)
+            _gemm.matmul(dz.t(), x_MK, dw)
     return dx, dw, db
 
 
@@ -210,7 +89,7 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK, w_NK, bias_N, activation: int):
-        save_z = activation != _matmul.ACT_NONE and any(ctx.needs_input_grad[:3])
+        save_z = activation != ACT_NONE and any(ctx.needs_input_grad[:3])
         y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z)
         ctx.save_for_backward(x_MK, w_NK, z)
         ctx.activation = activation

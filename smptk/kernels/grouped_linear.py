@@ -38,7 +38,7 @@ Worked example, E = 3, offsets = [0, 2, 2, 5] (T = 5), with BLOCK_M = 2 for illu
     tiles per expert [1, 0, 2], prefix sums [1, 1, 3]: tile 0 -> expert 0, tiles 1 and 2 -> expert 2.
     grid: 5 // 2 + min(3, 5) = 5 row tiles; the programs of tiles 3 and 4 return without work.
 
-The kernels, their tunables and launchers live in ``_grouped_gemm.py`` (split off to keep each file under
+The kernels, their tunables and launchers live in ``_gemm.py`` (split off to keep each file under
 about 600 lines); this file holds the checks, the autograd wiring and the PyTorch path.
 
 Offsets are validated (dtype, shape, device) on every call. Their values (``offsets[0] == 0``,
@@ -59,12 +59,11 @@ Example::
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from smptk.kernels import _grouped_gemm, _matmul, runtime
+from smptk import settings
+from smptk.kernels import _gemm, runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
     autocast_inputs,
@@ -73,10 +72,7 @@ from smptk.kernels._checks import (
     check_input,
     check_same,
 )
-from smptk.kernels._matmul import ACTIVATION_CODES
-from smptk.kernels.fused_linear import activation_backward
-
-CHECK_OFFSETS_ENV = "SMPTK_CHECK_OFFSETS"
+from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_backward, swiglu_dh
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -85,10 +81,10 @@ class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, w_ENK, offsets, bias_EN, activation: int):
         T, N = x_TK.shape[0], w_ENK.shape[1]
-        save_z = activation != _matmul.ACT_NONE and any(ctx.needs_input_grad[:4])
+        save_z = activation != ACT_NONE and any(ctx.needs_input_grad[:4])
         y = new_buffer((T, N), x_TK.dtype, x_TK.device)
         z = new_buffer((T, N), x_TK.dtype, x_TK.device) if save_z else None
-        _grouped_gemm.grouped_matmul(
+        _gemm.grouped_matmul(
             x_TK, w_ENK.transpose(1, 2), offsets, y, bias_EC=bias_EN, activation=activation, z_TC=z
         )
         ctx.save_for_backward(x_TK, w_ENK, offsets, z)
@@ -106,13 +102,13 @@ class GroupedLinearFunction(torch.autograd.Function):
             if w_ENK.shape[1] == 0:
                 dx.zero_()
             else:
-                _grouped_gemm.grouped_matmul(dz, w_ENK, offsets, dx)
+                _gemm.grouped_matmul(dz, w_ENK, offsets, dx)
         if need_dw:
             dw = new_buffer(w_ENK.shape, w_ENK.dtype, w_ENK.device)
         if need_db:
             db = new_buffer(w_ENK.shape[:2], w_ENK.dtype, w_ENK.device)
         if need_dw or need_db:
-            _grouped_gemm.grouped_weight_grad(dz, x_TK, offsets, dw, db)
+            _gemm.grouped_weight_grad(dz, x_TK, offsets, dw, db)
         return dx, dw, None, db, None
 
 
@@ -125,7 +121,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         save_h = any(ctx.needs_input_grad[:3])
         y = new_buffer((T, N), x_TK.dtype, x_TK.device)
         h = new_buffer((T, 2 * N), x_TK.dtype, x_TK.device) if save_h else None
-        _grouped_gemm.grouped_swiglu_fwd(x_TK, wg_ENK, wu_ENK, offsets, y, h)
+        _gemm.grouped_swiglu_matmul(x_TK, wg_ENK.transpose(1, 2), wu_ENK.transpose(1, 2), offsets, y, h)
         ctx.save_for_backward(x_TK, wg_ENK, wu_ENK, offsets, h)
         return y
 
@@ -134,18 +130,18 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         x_TK, wg_ENK, wu_ENK, offsets, h = ctx.saved_tensors
         need_dx, need_dwg, need_dwu = ctx.needs_input_grad[:3]
         N = wg_ENK.shape[1]
-        dh = _grouped_gemm.swiglu_dh(dy_TN, h)
+        dh = swiglu_dh(dy_TN, h)
         dx = dwg = dwu = None
         if need_dx:
             dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
             if N == 0:
                 dx.zero_()
             else:
-                _grouped_gemm.grouped_matmul(dh[:, :N], wg_ENK, offsets, dx, a2_TR=dh[:, N:], b2_ERC=wu_ENK)
+                _gemm.grouped_matmul(dh[:, :N], wg_ENK, offsets, dx, a2_TR=dh[:, N:], b2_ERC=wu_ENK)
         if need_dwg or need_dwu:
             # [dw_gate | dw_up] = dh_e.T @ x_e: one launch, x read once for both halves.
             dw = new_buffer((wg_ENK.shape[0], 2 * N, x_TK.shape[1]), wg_ENK.dtype, wg_ENK.device)
-            _grouped_gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
+            _gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
             dwg = dw[:, :N] if need_dwg else None
             dwu = dw[:, N:] if need_dwu else None
         return dx, dwg, dwu, None
@@ -187,7 +183,7 @@ def _check_offsets(offsets: object, x: torch.Tensor, E: int, path: str) -> torch
     if offsets.device != x.device:
         raise ValueError(f"offsets: on {offsets.device} but x is on {x.device}")
     offsets = offsets.to(torch.int64).contiguous()
-    debug = os.environ.get(CHECK_OFFSETS_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    debug = settings.check_offsets()
     if offsets.device.type == "cpu" or path == "torch" or debug:
         T = x.shape[0]
         first, last = (int(v) for v in offsets[[0, -1]].tolist())
