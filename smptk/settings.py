@@ -11,7 +11,8 @@ Parsing rules, the same for every variable of a kind:
 - **flag**: ``1/0``, ``true/false``, ``yes/no``, ``on/off``, in any case;
 - **integer**: what ``int()`` reads (``"4"``, ``" 4 "``; not ``"4.0"``); **number**: what ``float()`` reads;
 - **choice**: one of a fixed set of words, in any case;
-- **text** / **path**: the value as given (a path is kept out of ``smptk info`` and benchmark rows);
+- **text** / **path**: the value as given (a path, or a value holding paths, is kept out of
+  ``smptk info`` and benchmark rows);
 - anything else raises ``ValueError`` naming the variable, the value and what is accepted.
 
 Accessors read the environment at every call (no caching here); a caller that wants a value fixed for
@@ -192,6 +193,10 @@ _TABLE = (
     Variable("SMPTK_BENCH_RUN_ID", "text", None, "benchmarks: this run's id (python -m bench sets it)"),
     Variable("SMPTK_BENCH_COMM_DIST_TIMEOUT_S", "number", None, "benchmarks: time limit of the torchrun "
              "comm suite (default by mode)", positive=True),
+    Variable("SMPTK_GPU_CHECK", "path", None, "bench/gpu_check.py: the JSON a gpu-check run passes to its "
+             "child pytest processes (log file, deadline); set by the parent"),
+    Variable("SMPTK_TORCH_SPEC", "text", None, "make: the torch requirement the venv installs (default "
+             "in the Makefile); read by make, listed here so smptk info shows it"),
 )  # fmt: skip
 VARIABLES: dict[str, Variable] = {v.name: v for v in _TABLE}
 
@@ -307,3 +312,13 @@ def bench_run_id() -> str | None:
 def bench_comm_dist_timeout_s() -> float | None:
     """``SMPTK_BENCH_COMM_DIST_TIMEOUT_S``: seconds, > 0; None means the mode's default."""
     return _read("SMPTK_BENCH_COMM_DIST_TIMEOUT_S")
+
+
+def gpu_check() -> str | None:
+    """``SMPTK_GPU_CHECK``: the gpu-check plugin's JSON configuration, or None outside a gpu-check child."""
+    return _read("SMPTK_GPU_CHECK")
+
+
+def torch_spec() -> str | None:
+    """``SMPTK_TORCH_SPEC``: the torch requirement ``make`` installs, or None for the Makefile's default."""
+    return _read("SMPTK_TORCH_SPEC")

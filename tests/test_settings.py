@@ -154,6 +154,8 @@ ACCESSORS = [
     (settings.bench_jsonl, "SMPTK_BENCH_JSONL", None, ("rows.jsonl", "rows.jsonl"), None),
     (settings.bench_run_id, "SMPTK_BENCH_RUN_ID", None, ("r1", "r1"), None),
     (settings.bench_comm_dist_timeout_s, "SMPTK_BENCH_COMM_DIST_TIMEOUT_S", None, ("60", 60.0), "-5"),
+    (settings.gpu_check, "SMPTK_GPU_CHECK", None, ('{"log": "x"}', '{"log": "x"}'), None),
+    (settings.torch_spec, "SMPTK_TORCH_SPEC", None, ("torch==2.13.0", "torch==2.13.0"), None),
     (settings.triton_interpret, "TRITON_INTERPRET", False, ("Y", True), None),
 ]
 
@@ -180,17 +182,26 @@ def test_every_variable_has_an_accessor_and_a_meaning():
         assert len(var.meaning) > 20, var.name
 
 
-def test_every_smptk_variable_in_the_package_is_in_the_table():
-    """A variable read anywhere in smptk/ must be declared here, spelled the same."""
+def test_every_smptk_variable_in_the_repository_is_in_the_table():
+    """A variable named anywhere in the package, tests, benchmarks, examples or Makefile is declared here,
+    spelled the same (names of Python constants that merely start with SMPTK_ are listed)."""
     import re
     from pathlib import Path
 
-    root = Path(settings.__file__).parent
+    root = Path(settings.__file__).resolve().parent.parent
+    files = [
+        root / "Makefile",
+        *(p for d in ("smptk", "tests", "bench", "examples") for p in (root / d).rglob("*.py")),
+    ]
     used = set()
-    for path in root.rglob("*.py"):
-        used |= set(re.findall(r"\bSMPTK_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
-    prefixes = {"SMPTK_COMM_", "SMPTK_BENCH_"}  # named as families in prose
-    assert used - set(settings.VARIABLES) - prefixes == set()
+    for path in files:
+        if path.is_file():
+            used |= set(re.findall(r"\bSMPTK_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    not_variables = {
+        "SMPTK_CASES",  # bench/comm_dist.py: a tuple of cases
+        "SMPTK_TEST_SCRATCH",  # this file's scratch variable
+    }
+    assert used - set(settings.VARIABLES) - not_variables == set()
 
 
 def test_triton_interpret_agrees_with_triton():
