@@ -4,9 +4,10 @@ Shapes: x ``[..., K]`` (any leading dims, any strides), weight ``[N, K]`` (nn.Li
 y ``[..., N]`` in x's dtype. Activations: None, "relu", "gelu" (erf), "gelu_tanh", "silu".
 Legend: M = prod(leading dims of x) rows, K input features, N output features; ``z = x @ w.T + b``.
 
-Forward: one launch of the GEMM engine (``_gemm.py``: persistent; TMA loads and stores on Hopper) with
-bias and activation applied to the fp32 accumulator before the only store, so y never makes the extra round trips through HBM that eager's
-``addmm`` + ``gelu`` take (2 x M x N elements read and written for the separate epilogue op).
+Forward: one launch of the GEMM engine (``_gemm.py``: persistent; TMA loads and stores on Hopper) with bias
+and activation applied to the fp32 accumulator before the only store, so y never makes the extra round trips
+through HBM that eager's ``addmm`` + ``gelu`` take (2 x M x N elements read and written for the separate
+epilogue op).
 
 Backward (three launches, all Triton):
 1. ``_epilogue.activation_backward``: ``dz = dy * act'(z)`` and the column sums of dz (dbias),
@@ -29,6 +30,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +161,7 @@ def fused_linear(
     if runtime.select_path(x, weight) == "torch":
         return _fused_linear_torch(x, weight, bias, activation)
     lead = x.shape[:-1]
-    x_MK = x.reshape(-1, x.shape[-1])
+    x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the epilogue reads bias as a contiguous [N] vector
     y = FusedLinearFunction.apply(x_MK, weight, bias, ACTIVATION_CODES[activation])

@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -124,5 +126,5 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
     if runtime.select_path(x, weight_gate) == "torch":
         return F.silu(F.linear(x, weight_gate)) * F.linear(x, weight_up)
     lead = x.shape[:-1]
-    y = SwiGLUFunction.apply(x.reshape(-1, x.shape[-1]), weight_gate, weight_up)
+    y = SwiGLUFunction.apply(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), weight_gate, weight_up)
     return y.view(*lead, weight_gate.shape[0])
