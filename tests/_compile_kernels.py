@@ -1,10 +1,20 @@
-"""Compile every smptk Triton kernel for real GPU targets (sm_90 H100, sm_80 A100) without a GPU.
+"""Compile every smptk Triton kernel for real GPU targets (sm_90 H100, sm_80 A100) and read what it became.
 
 The CPU test suite runs the kernels under ``TRITON_INTERPRET=1``, which never lowers them: errors that only
 the compiler raises (plain Python globals read inside ``@triton.jit``, mismatched types across an if/while,
-unsupported dtypes or ops for a target, bad inline asm, ptxas failures) stay hidden until a GPU run. This
+unsupported dtypes or ops for a target, bad inline asm, ptxas failures) stay hidden until a GPU run, and so
+does what the code turns into (tensor-core MMA or FMA loops, TMA or plain loads, register spills). This
 module lowers each kernel all the way to a cubin with ``triton.compile(ASTSource(...), GPUTarget(...))``
-(Triton's own code generator, LLVM and the bundled ptxas; no driver, no device).
+(Triton's own code generator, LLVM and the bundled ptxas; no driver, no device) and reports, per variant,
+facts about the result:
+
+- from the PTX: ``wgmma`` (``wgmma.mma_async`` instructions), ``tma_loads``
+  (``cp.async.bulk.tensor.Nd.shared::cta.global``) and ``tma_stores``
+  (``cp.async.bulk.tensor.Nd.global.shared``);
+- from ``ptxas -v`` (``--gpu-name=sm_90a`` / ``sm_80``, Triton's own flags): ``registers`` per thread and
+  ``spill_stores`` / ``spill_loads`` in bytes. The log is the one of the ptxas run that made the cubin
+  (``TRITON_DUMP_PTXAS_LOG=1`` in the workers); when Triton's cache answered instead, a cached record keyed
+  by the PTX's hash, else a ptxas run of our own (``triton.backends.nvidia.compiler.get_ptxas(arch)``).
 
 Layout (used by ``tests/test_kernels_compile.py``, and runnable on its own):
 
@@ -15,43 +25,26 @@ Layout (used by ``tests/test_kernels_compile.py``, and runnable on its own):
   objects that cannot be compiled), feeds them variant ids one at a time and collects one JSON result per
   id. A worker that dies (an LLVM/MLIR abort) costs only the variant it was compiling; it is restarted.
 - ``python tests/_compile_kernels.py [-k SUBSTR] [--all] [--jobs N] [--list]``: prints one JSON line per
-  variant (``{"id", "kernel", "ok", "error", "seconds", "shared", "cubin_bytes"}``), then a summary on
-  stderr (with the variants whose shared memory exceeds the target's limit), and exits 1 if any failed.
+  variant (``{"id", "kernel", "ok", "error", "seconds", "shared", "cubin_bytes", "wgmma", "tma_loads",
+  "tma_stores", "registers", "spill_stores", "spill_loads"}``), then a summary on stderr (variants that
+  failed, spill, or need more shared memory than the target has), and exits 1 if any failed to compile.
 
-Variants mirror what a real launch compiles: signature types from the argument values (pointers ``*bf16``,
-int64 address tables ``*i64``, ints ``i32``/``i64``), integer arguments equal to 1 turned into constexprs (as
-Triton's launcher does for unit strides and sizes unless the argument is in ``do_not_specialize``), 16-byte
-divisibility on pointers and aligned ints, constexprs left out take the kernel's defaults, and
-``num_warps``/``num_stages`` from the kernel's configs. A "generic" layout (no specialization: odd sizes,
-strided views) covers the unspecialized code path.
+Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``) takes the full set.
 
-Coverage, identical for sm_90 and sm_80. The quick set (default) is below; ``--all`` / ``SMPTK_COMPILE_ALL=1``
-adds what the quick set drops (about twice the compile time for the kernels through the collectives, about
-five times for the MoE ones):
-
-- ``_matmul_kernel`` on the smallest and the largest of ``_CUDA_CONFIGS`` (by tile volume):
-  smallest: every activation x HAS_SECOND on/off with HAS_BIAS and STORE_Z, in bf16; each activation once in
-  fp16 and in fp32 "ieee" (HAS_SECOND alternating; full: the whole grid per dtype); the dw and generic-stride
-  backward GEMMs per dtype (full: also the plain dx and the two-pair dx); M = 1, K = 1 and N = 1 forwards.
-  largest: per dtype, a plain-epilogue forward and a gelu + bias + z + HAS_SECOND dx (full: also in fp32),
-  bf16 dw and generic (full: every dtype, plus dx and two-pair dx).
-  fp32 "tf32": a forward on both configs and a dw on the smallest.
-- ``_swiglu_fwd_kernel``: smallest config, STORE_H on/off x bf16/fp16/fp32, generic strides in bf16 and fp32
-  (full: fp16 too), M = 1 in bf16; largest config, STORE_H in every dtype (full: STORE_H off, generic).
+- The GEMM engine (``smptk.kernels._gemm._gemm_kernel``, ids ``gemm-sm<arch>-<specialization id>``): not a
+  table here but what the launchers produce, ``_gemm.specializations()`` (``full=True`` with the full set):
+  per op kind (dense / rows-by-expert / reduction-by-expert, SwiGLU, two-pair dx, weight grads) and shipped
+  config, the heaviest epilogue; TMA variants in bf16, pointer variants in bf16 and fp32 (the full set adds
+  fp16 and every epilogue). sm_90 compiles every one, TMA and pointer; sm_80 the pointer ones (TMA needs
+  sm_90). Signatures as the launcher's: pointers 16-byte aligned (``tt.divisibility = 16``; the launcher's
+  tensors are), sizes and strides i32 and unspecialized, ``num_warps`` / ``num_stages`` from the config.
 - ``_act_bwd_kernel`` (every activation x the STORE_DZ/COLSUM pairs the launcher uses, every dtype, one
-  generic-stride variant), ``_colsum_kernel`` and ``_swiglu_bwd_kernel`` in every dtype.
+  generic-stride variant), ``_colsum_kernel`` in every dtype, ``_swiglu_dh_kernel`` in bf16 (full: every
+  dtype, generic strides, i64 rows), all from ``smptk.kernels._epilogue``.
 - collectives, USE_CLOCK=True (the CUDA path, ``%globaltimer`` inline PTX): every op valid for each of
   fp32/bf16/fp16/int32 (ACC fp32, or int32 for int32; no int32 "avg", which the host never launches) with
   the default 300 s timeout (an i64 argument); per kernel one bf16 variant with an i32 timeout and i64 sizes,
   and one with SIMULATED=True where the kernel has that flag.
-- grouped GEMMs (``_grouped_gemm``) on the smallest and the largest of each autotune config list, one MoE
-  layer's shapes (T = 16K rows, K = 2048, N = 1408, E = 64): ``_grouped_mm_kernel``'s training forward
-  (gelu or silu + bias + z) and SwiGLU's two-pair dx (HAS_SECOND), ``_grouped_swiglu_fwd_kernel`` with
-  STORE_H on and off, ``_grouped_dw_kernel``'s dw + db (grouped_linear) and dw into ``[E, 2N, K]``
-  (grouped_swiglu); each pair as bf16 on one config and fp32 "ieee" on the other, so both dtypes meet both
-  configs. ``_swiglu_dh_kernel`` in bf16. Full: every dtype x config x (plain forward, dx, two-pair dx,
-  epilogue forward, generic strides, i64 rows; STORE_H on/off; dw + db, dw, db only), fp32 "tf32" per
-  config, the other activations once; the largest config in fp32 with its flag variants and "tf32" only.
 - ``moe_route`` and ``moe_dispatch`` kernels (T = 4096 tokens, H = 2048): per kernel the DeepSeek-V2-Lite
   set-up (E = 64, k = 6; bf16 logits and rows, int32 ids, fp32 routing weights, capacity factor 1.25)
   and an int64 one: DeepSeek-V3 routing (E = 256, k = 8, sigmoid + expert bias) in fp32 past 2^31 tokens,
@@ -61,9 +54,13 @@ five times for the MoE ones):
   and without a capacity, every score x renormalize x bias flag, fp16 / fp32 rows with fp32 or same-dtype
   weights, generic strides, top_k = 1, i64 sizes per kernel, and a one-program statistics launch.
 
-The grouped GEMM and MoE variants name the argument values of a concrete launch and derive the signature
-from them as the launcher does (``_from_values``). Their ids start with ``grouped_`` / ``moe_`` (select
-them with ``-k grouped_`` / ``-k moe_``).
+The elementwise and MoE variants name the argument values of a concrete launch and derive the signature
+from them as Triton's launcher does (``_from_values``: an int equal to 1 becomes a constexpr, a multiple of
+16 is aligned); their ids start with ``act_bwd`` / ``colsum`` / ``swiglu_dh`` / ``moe_``. Select a family
+with ``-k gemm-`` / ``-k moe_`` / ``-k sm80``.
+
+This file is over 600 lines: the MoE routing and dispatch variants are a table of concrete launches, one
+function per kernel family, kept next to the driver that compiles them.
 """
 
 from __future__ import annotations
@@ -71,10 +68,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import os
 import queue
+import re
 import selectors
 import subprocess
 import sys
@@ -90,7 +89,7 @@ ARCHS = (90, 80)  # sm_90 (H100), sm_80 (A100)
 # autotuner skips it as OutOfResources), so it is reported, not failed.
 SMEM_LIMIT = {90: 232448, 80: 166912}
 WORKER_START_TIMEOUT_S = 300.0  # importing torch + triton on a loaded machine
-VARIANT_TIMEOUT_S = 600.0  # one compile; the largest matmul tiles take a few seconds
+VARIANT_TIMEOUT_S = 600.0  # one compile; the largest fp32 GEMM tiles take about a minute on a busy 2-core box
 
 # Triton pointer element type of each dtype name used in ids.
 _TT = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "i32": "i32"}
@@ -110,7 +109,8 @@ class Variant:
 
     ``types``: signature type by argument name for every non-constexpr argument not defaulted to "i32"
     (every pointer must be listed); ``constexprs``: value by name (unit strides included); ``aligned``: the
-    arguments that carry ``tt.divisibility = 16``.
+    arguments that carry ``tt.divisibility = 16``. GEMM engine variants also carry ``gemm_path`` ("tma" or
+    "pointer") and ``dtype`` (the operands' Triton type), which the instruction-level checks read.
     """
 
     id: str
@@ -122,6 +122,8 @@ class Variant:
     num_warps: int = 4
     num_stages: int = 3
     cost: int = 1  # rough relative compile cost, heaviest first for load balance
+    gemm_path: str = ""
+    dtype: str = ""
 
     @property
     def kernel_name(self) -> str:
@@ -138,7 +140,9 @@ class Variant:
         )
 
 
-def _variant(vid, kernel, arch, types, constexprs, aligned, num_warps=4, num_stages=3, cost=1) -> Variant:
+def _variant(
+    vid, kernel, arch, types, constexprs, aligned, num_warps=4, num_stages=3, cost=1, **gemm
+) -> Variant:
     return Variant(
         id=vid,
         kernel=kernel,
@@ -149,215 +153,89 @@ def _variant(vid, kernel, arch, types, constexprs, aligned, num_warps=4, num_sta
         num_warps=num_warps,
         num_stages=num_stages,
         cost=cost,
+        **gemm,
     )
 
 
-# --- matmul ---------------------------------------------------------------------------------------------
+# --- signatures from argument values -----------------------------------------------------------------
 
-_MM_PTRS = ("a_ptr", "b_ptr", "a2_ptr", "b2_ptr", "c_ptr", "bias_ptr", "z_ptr")
-_MM_INTS = ("M", "N", "K", "K2", "M_BUCKET")
-_MM_STRIDES = (
-    "stride_am",
-    "stride_ak",
-    "stride_bk",
-    "stride_bn",
-    "stride_a2m",
-    "stride_a2k",
-    "stride_b2k",
-    "stride_b2n",
-    "stride_cm",
-    "stride_cn",
-    "stride_zm",
-    "stride_zn",
-)
-# Unit strides per launch layout (the launcher turns each into a constexpr 1). Unused pairs alias the
-# first (a2 = a, b2 = b) and z / bias alias the output, so their strides follow.
-#   fwd: z = x @ w.T (A = x row-major, B = w viewed [K, N]: unit K stride).
-#   dx:  dx = dz @ w, and SwiGLU's dg @ wg + du @ wu (dh halves row-major, weights row-major).
-#   dw:  dw = dz.T @ x (A = dz viewed [N, M]: unit M stride).
-_MM_LAYOUT_ONES = {
-    "fwd": ("stride_ak", "stride_bk", "stride_a2k", "stride_b2k", "stride_cn", "stride_zn"),
-    "dx": ("stride_ak", "stride_bn", "stride_a2k", "stride_b2n", "stride_cn", "stride_zn"),
-    "dw": ("stride_am", "stride_bn", "stride_a2m", "stride_b2n", "stride_cn", "stride_zn"),
-    "generic": (),
-}
-# Degenerate sizes the CUDA tests use (size 1 becomes a constexpr too): decode-style M = 1 (M_BUCKET = 1);
-# K = 1 (x [M, 1] and w [N, 1] have all-unit strides); N = 1 (w [1, K], out [M, 1]).
-_MM_FWD = _MM_LAYOUT_ONES["fwd"]
-_MM_LAYOUT_ONES["fwd_m1"] = (*_MM_FWD, "M", "M_BUCKET")
-_MM_LAYOUT_ONES["fwd_k1"] = (*_MM_FWD, "K", "K2", "stride_am", "stride_bn", "stride_a2m", "stride_b2n")
-_MM_LAYOUT_ONES["fwd_n1"] = (*_MM_FWD, "N", "stride_cm", "stride_zm")
+# "-i64" variants: rows, tokens or pairs past int32 (every index there is int64). _BIG_T tokens x 8 slots
+# = 2^31 + 256 pairs.
+_BIG = 2**31 + 256
+_BIG_T = 2**28 + 32
 
 
-def _cfg_name(cfg: dict) -> str:
-    k = cfg["kwargs"]
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
+def _pow2(n: int) -> int:
+    """triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length()
 
 
-def _configs(triton_configs) -> list[dict]:
-    return [
-        {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
-        for c in triton_configs
-    ]
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _largest_smallest(configs: list[dict]) -> tuple[dict, dict]:
-    def vol(c):
-        k = c["kwargs"]
-        return k["BLOCK_M"] * k["BLOCK_N"] * k["BLOCK_K"]
-
-    largest = max(configs, key=lambda c: (vol(c), c["num_warps"], c["num_stages"]))
-    smallest = min(configs, key=lambda c: (vol(c), c["num_warps"], -c["num_stages"]))
-    return largest, smallest
-
-
-def _layout_spec(ptrs, ints, strides, dtype, layout):
-    """(types, unit-stride constexprs, aligned args) for a launch layout."""
-    ones = _MM_LAYOUT_ONES[layout] if isinstance(layout, str) else layout
-    types = {p: "*" + _TT[dtype] for p in ptrs}
-    consts = {s: 1 for s in ones}
-    aligned_ok = ones != ()
-    aligned = [a for a in (*ptrs, *ints, *strides) if aligned_ok and a not in consts]
+def _from_values(ptrs: dict[str, str], ints: dict[str, int], layout: str = "contig") -> tuple:
+    """(types, constexprs, aligned) as Triton's launcher derives them from the argument values: pointers
+    typed as given and 16-byte aligned (fresh buffers, views at 16-byte offsets); an int equal to 1 becomes a
+    constexpr, one outside int32 is i64, a multiple of 16 (0 included) is aligned. ``layout="generic"``
+    (strided views, odd sizes): nothing specialized or aligned, every int i32."""
+    types, consts = dict(ptrs), {}
+    if layout == "generic":
+        return types, consts, []
+    aligned = list(ptrs)
+    for name, value in ints.items():
+        if value == 1:
+            consts[name] = 1
+            continue
+        if not -(2**31) <= value < 2**31:
+            types[name] = "i64"
+        if value % 16 == 0:
+            aligned.append(name)
     return types, consts, aligned
 
 
-def _matmul_variants(arch: int, configs: list[dict], act_names: dict[int, str], full: bool) -> list[Variant]:
-    largest, smallest = _largest_smallest(configs)
-    out = []
+# --- the GEMM engine: what the launchers produce ---------------------------------------------------------
 
-    def add(cfg, dtype, act, bias, store_z, second, layout, precision=None):
-        precision = precision or ("ieee" if dtype == "fp32" else "tf32")
-        types, consts, aligned = _layout_spec(_MM_PTRS, _MM_INTS, _MM_STRIDES, dtype, layout)
-        consts.update(
-            ACTIVATION=act,
-            HAS_BIAS=bias,
-            STORE_Z=store_z,
-            HAS_SECOND=second,
-            INPUT_PRECISION=precision,
-            **cfg["kwargs"],
-        )
-        flags = "-".join(f for f, on in (("bias", bias), ("z", store_z), ("second", second)) if on) or "plain"
-        prec = f"-{precision}" if dtype == "fp32" else ""
-        vid = f"matmul-sm{arch}-{dtype}{prec}-{act_names[act]}-{flags}-{layout}-{_cfg_name(cfg)}"
-        k = cfg["kwargs"]
-        cost = k["BLOCK_M"] * k["BLOCK_N"] * (2 if second else 1) // 256
+_GEMM = "smptk.kernels._gemm:_gemm_kernel"
+
+
+def _gemm_variants(arch: int, specs: list) -> list[Variant]:
+    """One variant per ``_gemm.Specialization`` this arch can run: TMA ones on sm_90+ only."""
+    out = []
+    for s in specs:
+        if s.path == "tma" and arch < 90:
+            continue
+        ptrs = {name: t for name, t in s.signature().items() if t.startswith("*")}
+        c = s.config
+        # fp32 "ieee" products are FMA loops, unrolled over the whole tile: the slowest compiles by far.
+        cost = c.block_m * c.block_n * (2 if s.constexprs["DUAL"] == 2 else 1) // 256
+        cost *= 8 if s.dtype == "fp32" else 1
         out.append(
             _variant(
-                vid,
-                "smptk.kernels._matmul:_matmul_kernel",
-                arch,
-                types,
-                consts,
-                aligned,
-                cfg["num_warps"],
-                cfg["num_stages"],
-                cost,
+                f"gemm-sm{arch}-{s.id}", _GEMM, arch, ptrs, s.constexprs, list(ptrs), c.warps, c.stages, cost,
+                gemm_path=s.path, dtype=s.dtype,
             )
-        )
-
-    # Smallest config: the epilogue grid, every activation x HAS_SECOND (bias and z stored). The epilogue
-    # runs in fp32 whatever the input dtype, so the quick set takes the whole grid in bf16 only and each
-    # activation once per other dtype, HAS_SECOND alternating.
-    for dtype in _FLOAT_DTYPES:
-        for act in sorted(act_names):
-            for second in (False, True):
-                if full or dtype == "bf16" or second == bool((act + (dtype == "fp32")) % 2):
-                    add(smallest, dtype, act, True, True, second, "dx" if second else "fwd")
-    # Backward GEMMs (no epilogue): fused_linear's dx and dw, SwiGLU's two-pair dx, generic strides. The quick
-    # set drops the plain dx ones (the dx layout is in the grid above, with and without the second pair).
-    for cfg in (smallest, largest):
-        for dtype in _FLOAT_DTYPES:
-            if full:
-                add(cfg, dtype, 0, False, False, False, "dx")
-                add(cfg, dtype, 0, False, False, True, "dx")
-            if full or cfg is smallest or dtype == "bf16":
-                add(cfg, dtype, 0, False, False, False, "dw")
-                add(cfg, dtype, 0, False, False, False, "generic")
-    # Largest config (the tile shape drives the MMA and pipeline lowering, not the epilogue): one light and
-    # one heavy epilogue per dtype.
-    for dtype in _FLOAT_DTYPES:
-        add(largest, dtype, 0, True, True, False, "fwd")
-        if full or dtype != "fp32":
-            add(largest, dtype, 2, True, True, True, "dx")
-    # Degenerate sizes, forward with the whole epilogue.
-    for layout in ("fwd_m1", "fwd_k1", "fwd_n1"):
-        add(smallest, "bf16", 4, True, True, False, layout)
-    # fp32 with TF32 allowed (torch.backends.cuda.matmul.allow_tf32 = True), also with an M-major A (dw).
-    for cfg in (smallest, largest):
-        add(cfg, "fp32", 0, True, True, False, "fwd", precision="tf32")
-    add(smallest, "fp32", 0, False, False, False, "dw", precision="tf32")
+        )  # fmt: skip
     return out
 
 
-# --- swiglu ---------------------------------------------------------------------------------------------
+# --- elementwise kernels of the GEMM engine (_epilogue.py) ----------------------------------------------
 
-_SW_PTRS = ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr", "h_ptr")
-_SW_INTS = ("M", "N", "K", "M_BUCKET")
-_SW_STRIDES = (
-    "stride_xm",
-    "stride_xk",
-    "stride_wgn",
-    "stride_wgk",
-    "stride_wun",
-    "stride_wuk",
-    "stride_ym",
-    "stride_yn",
-    "stride_hm",
-    "stride_hn",
-)
-_SW_FWD_ONES = ("stride_xk", "stride_wgk", "stride_wuk", "stride_yn", "stride_hn")
+_EPI = "smptk.kernels._epilogue:"
+# swiglu_dh's launch: dy [T, N], h and dh [T, 2N] (one MoE layer's expert width N = 1408 over 16K rows).
+_DH_T, _DH_N = 16384, 1408
 
 
-def _swiglu_fwd_variants(arch: int, configs: list[dict], full: bool) -> list[Variant]:
-    largest, smallest = _largest_smallest(configs)
+def _elementwise_variants(arch: int, blocks: dict, full: bool) -> list[Variant]:
     out = []
-    for cfg in (smallest, largest):
-        for dtype in _FLOAT_DTYPES:
-            for store_h, layout in ((True, "fwd"), (False, "fwd"), (True, "generic"), (True, "fwd_m1")):
-                # Quick set: STORE_H on/off in every dtype on the smallest tile, generic strides in bf16 and
-                # fp32; the largest tile with STORE_H in every dtype.
-                if layout == "fwd_m1" and (cfg is largest or dtype != "bf16"):
-                    continue  # decode-style M = 1: once per target
-                if not full and (
-                    (cfg is largest and (not store_h or layout == "generic"))
-                    or (layout == "generic" and dtype == "fp16")
-                ):
-                    continue
-                ones = {"fwd": _SW_FWD_ONES, "fwd_m1": (*_SW_FWD_ONES, "M", "M_BUCKET")}.get(
-                    layout, "generic"
-                )
-                types, consts, aligned = _layout_spec(_SW_PTRS, _SW_INTS, _SW_STRIDES, dtype, ones)
-                consts.update(
-                    STORE_H=store_h, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **cfg["kwargs"]
-                )
-                h = "store_h" if store_h else "no_h"
-                k = cfg["kwargs"]
-                out.append(
-                    _variant(
-                        f"swiglu_fwd-sm{arch}-{dtype}-{h}-{layout}-{_cfg_name(cfg)}",
-                        "smptk.kernels.swiglu:_swiglu_fwd_kernel",
-                        arch,
-                        types,
-                        consts,
-                        aligned,
-                        cfg["num_warps"],
-                        cfg["num_stages"],
-                        2 * k["BLOCK_M"] * k["BLOCK_N"] // 256,
-                    )
-                )
-    return out
-
-
-def _elementwise_variants(arch: int, blocks: dict) -> list[Variant]:
-    out = []
-    act_bwd_strides = ("stride_dym", "stride_dyn", "stride_zm", "stride_zn", "stride_dzm", "stride_dzn")
+    act_bwd_strides = ("s_dym", "s_dyn", "s_zm", "s_zn", "s_dzm", "s_dzn")
     for dtype in _FLOAT_DTYPES:
         for act, act_name in sorted(blocks["act_names"].items()):
             # The launcher's pairs: dz is stored iff there is an activation; with none, only the colsum.
             for store_dz, colsum in ((False, True),) if act == 0 else ((True, False), (True, True)):
                 types = {"dy_ptr": f"*{dtype}", "z_ptr": f"*{dtype}", "dz_ptr": f"*{dtype}"}
                 types["partial_ptr"] = "*fp32" if colsum else f"*{dtype}"
-                consts = {"stride_dyn": 1, "stride_zn": 1, "stride_dzn": 1}
+                consts = {"s_dyn": 1, "s_zn": 1, "s_dzn": 1}
                 consts.update(ACTIVATION=act, STORE_DZ=store_dz, COLSUM=colsum, **blocks["act_bwd"])
                 aligned = [*types, "M", "N", *(s for s in act_bwd_strides if s not in consts)]
                 flags = "-".join(f for f, on in (("dz", store_dz), ("colsum", colsum)) if on)
@@ -366,11 +244,11 @@ def _elementwise_variants(arch: int, blocks: dict) -> list[Variant]:
                 for layout in layouts:
                     lconsts = dict(consts)
                     if layout == "generic":
-                        lconsts = {k: c for k, c in consts.items() if not k.startswith("stride")}
+                        lconsts = {k: c for k, c in consts.items() if not k.startswith("s_")}
                     out.append(
                         _variant(
                             f"act_bwd-sm{arch}-{dtype}-{act_name}-{flags}-{layout}",
-                            "smptk.kernels.fused_linear:_act_bwd_kernel",
+                            _EPI + "_act_bwd_kernel",
                             arch,
                             types,
                             lconsts,
@@ -380,24 +258,26 @@ def _elementwise_variants(arch: int, blocks: dict) -> list[Variant]:
         out.append(
             _variant(
                 f"colsum-sm{arch}-fp32_to_{dtype}",
-                "smptk.kernels.fused_linear:_colsum_kernel",
+                _EPI + "_colsum_kernel",
                 arch,
                 {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}"},
                 {"BLOCK_N": blocks["colsum"]},
                 ["partial_ptr", "out_ptr", "N"],
             )
         )
-        sw_types = {"dy_ptr": f"*{dtype}", "h_ptr": f"*{dtype}", "dh_ptr": f"*{dtype}"}
-        out.append(
-            _variant(
-                f"swiglu_bwd-sm{arch}-{dtype}",
-                "smptk.kernels.swiglu:_swiglu_bwd_kernel",
-                arch,
-                sw_types,
-                {"stride_dyn": 1, "stride_hn": 1, "stride_dhn": 1, **blocks["swiglu_bwd"]},
-                [*sw_types, "M", "N", "stride_dym", "stride_hm", "stride_dhm"],
+        # _swiglu_dh_kernel (a plain launch, dense and grouped SwiGLU backward): contiguous, any strides,
+        # and rows past int32.
+        for layout, big in (("contig", False), ("generic", False), ("contig", True)):
+            if not (full or (dtype, layout, big) == ("bf16", "contig", False)):
+                continue
+            rows, N = (_BIG if big else _DH_T), _DH_N
+            ints = dict(M=rows, N=N, s_dym=N, s_dyn=1, s_hm=2 * N, s_hn=1, s_dhm=2 * N, s_dhn=1)
+            ptrs = {p: f"*{dtype}" for p in ("dy_ptr", "h_ptr", "dh_ptr")}
+            types, cx, aligned = _from_values(ptrs, ints, layout)
+            vid = f"swiglu_dh-sm{arch}-{dtype}-{layout}{'-i64' if big else ''}"
+            out.append(
+                _variant(vid, _EPI + "_swiglu_dh_kernel", arch, types, cx | blocks["swiglu_dh"], aligned)
             )
-        )
     return out
 
 
@@ -476,17 +356,12 @@ def _collective_variants(arch: int, block: int, ops: dict[str, int], params: dic
     return out
 
 
-# --- MoE: grouped GEMMs, routing, dispatch / combine ----------------------------------------------------
+# --- MoE: routing, dispatch / combine ---------------------------------------------------------------------
 #
 # Specialization from argument values (``_from_values``): each variant passes the sizes and strides a real
-# launch does, as the launchers in _grouped_gemm.py, moe_route.py and moe_dispatch.py compute them.
-
-_GG = "smptk.kernels._grouped_gemm:"
+# launch does, as the launchers in moe_route.py and moe_dispatch.py compute them.
 _ROUTE = "smptk.kernels.moe_route:"
 _DISP = "smptk.kernels.moe_dispatch:"
-# Grouped GEMMs: one MoE layer (DeepSeek-V2-Lite's experts: hidden K = 2048, expert width N = 1408, E = 64)
-# over T = 16K grouped rows.
-_GT, _GK, _GN, _GE = 16384, 2048, 1408, 64
 # Routing and dispatch: T = 4096 tokens, H = 2048; set-ups (E, top_k, score_func, renormalize, expert
 # bias): E = k = 1 (unit sizes become constexprs), Mixtral (8, 2), DeepSeek-V2-Lite (64, 6), DeepSeek-V2
 # (160, 6: a padded 256-wide expert block), DeepSeek-V3 (256, 8, sigmoid scores and the selection bias).
@@ -499,237 +374,6 @@ _ROUTE_CASES = (
     (256, 8, "sigmoid", True, True),
 )
 _CAPACITY = (5, 4)  # capacity_factor 1.25, as a fraction: C = ceil(1.25 * P / E)
-# "-i64" variants: rows, tokens or pairs past int32 (every index there is int64). _BIG_T tokens x 8 slots
-# = 2^31 + 256 pairs.
-_BIG = 2**31 + 256
-_BIG_T = 2**28 + 32
-
-
-def _pow2(n: int) -> int:
-    """triton.next_power_of_2."""
-    return 1 << (n - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _from_values(ptrs: dict[str, str], ints: dict[str, int], layout: str = "contig") -> tuple:
-    """(types, constexprs, aligned) as Triton's launcher derives them from the argument values: pointers
-    typed as given and 16-byte aligned (fresh buffers, views at 16-byte offsets); an int equal to 1 becomes a
-    constexpr, one outside int32 is i64, a multiple of 16 (0 included) is aligned. ``layout="generic"``
-    (strided views, odd sizes): nothing specialized or aligned, every int i32."""
-    types, consts = dict(ptrs), {}
-    if layout == "generic":
-        return types, consts, []
-    aligned = list(ptrs)
-    for name, value in ints.items():
-        if value == 1:
-            consts[name] = 1
-            continue
-        if not -(2**31) <= value < 2**31:
-            types[name] = "i64"
-        if value % 16 == 0:
-            aligned.append(name)
-    return types, consts, aligned
-
-
-def _alternate(small: bool, dtype: str, flip: bool = False) -> bool:
-    """Quick-set pick for the GEMMs: bf16 on the smallest config and fp32 on the largest (``flip``: fp32 on
-    the smallest and bf16 on the largest), so two kernel flavours cover both dtypes on both configs."""
-    return dtype != "fp16" and (small == (dtype == "bf16")) != flip
-
-
-def _slow(small: bool, dtype: str) -> bool:
-    """The largest config in fp32: the slowest compiles (several seconds each), and more shared memory than
-    sm_80 has for the forward GEMMs. The full set keeps there only the flag variants (the epilogue forward
-    and two-pair dx, STORE_H on/off, dw / db) and "tf32"; the plain forward and dx, generic strides and
-    i64 rows come from the other dtype / config pairs."""
-    return not small and dtype == "fp32"
-
-
-def _grouped_gemm_variants(arch: int, gg, act_names: dict[int, str], full: bool) -> list[Variant]:
-    """``gg``: the ``smptk.kernels._grouped_gemm`` module (autotune configs and block sizes)."""
-    out = []
-    T, K, N, E = _GT, _GK, _GN, _GE
-
-    def add(
-        name, kernel, dtype, tag, layout, cfg, ptrs, ints, consts, quick, precision=None, big=False, dots=1
-    ):
-        if not (full or quick):
-            return
-        precision = precision or ("ieee" if dtype == "fp32" else "tf32")
-        types, cx, aligned = _from_values(ptrs, ints, layout)
-        cx.update(consts)
-        nw, ns, cost, suffix = 4, 3, 1, ""  # Triton's defaults: _swiglu_dh_kernel's plain launch
-        if cfg is not None:  # the autotuned GEMMs
-            cx.update(cfg["kwargs"], PRECISION=precision)
-            k = cfg["kwargs"]
-            nw, ns, suffix = cfg["num_warps"], cfg["num_stages"], f"-{_cfg_name(cfg)}"
-            cost = k["BLOCK_M"] * k["BLOCK_N"] * dots // 256
-            if dtype == "fp32":
-                dtype = f"fp32-{precision}"
-        vid = f"{name}-sm{arch}-{dtype}-{tag}-{layout}{'-i64' if big else ''}{suffix}"
-        out.append(_variant(vid, _GG + kernel, arch, types, cx, aligned, nw, ns, cost))
-
-    # _grouped_mm_kernel (grouped_matmul). fwd: a = x [T, K], b = weight.transpose(1, 2) (strides N*K, 1,
-    # K), c and z [T, N], bias [E, N] (absent: the output, same row stride); dx: a = dz [T, N], b = weight
-    # [E, N, K]; dx2 (grouped_swiglu's dx, HAS_SECOND): a, a2 = the halves of dh [T, 2N], b, b2 = the
-    # two weights.
-    mm_ptrs = ("a_ptr", "b_ptr", "a2_ptr", "b2_ptr", "c_ptr", "bias_ptr", "z_ptr")
-
-    def add_mm(cfg, dtype, layout, act=0, bias=False, store_z=False, quick=False, precision=None, big=False):
-        rows = _BIG if big else T
-        R, C, a, b = {
-            "fwd": (K, N, (K, 1), (N * K, 1, K)),
-            "dx": (N, K, (N, 1), (N * K, K, 1)),
-            "dx2": (N, K, (2 * N, 1), (N * K, K, 1)),
-        }["fwd" if layout == "generic" else layout]
-        ints = dict(T=rows, R=R, C=C, E=E, T_BUCKET=_pow2(rows), s_am=a[0], s_ar=a[1])
-        ints.update(s_be=b[0], s_br=b[1], s_bc=b[2], s_a2m=a[0], s_a2r=a[1])
-        ints.update(s_b2e=b[0], s_b2r=b[1], s_b2c=b[2], s_cm=C, s_cc=1, s_biase=C, s_zm=C, s_zc=1)
-        ptrs = {p: f"*{_TT[dtype]}" for p in mm_ptrs} | {"offsets_ptr": "*i64"}
-        consts = dict(ACTIVATION=act, HAS_BIAS=bias, STORE_Z=store_z, HAS_SECOND=layout == "dx2")
-        consts["EXPERT_BLOCK"] = gg._EXPERT_BLOCK
-        flags = [f for f, on in (("bias", bias), ("z", store_z), ("second", layout == "dx2")) if on]
-        tag = "-".join([act_names[act], *flags]) if flags else f"{act_names[act]}-plain"
-        add(
-            "grouped_mm",
-            "_grouped_mm_kernel",
-            dtype,
-            tag,
-            layout,
-            cfg,
-            ptrs,
-            ints,
-            consts,
-            quick,
-            precision,
-            big,
-            dots=2 if layout == "dx2" else 1,
-        )
-
-    largest, smallest = _largest_smallest(_configs(gg._MM_CONFIGS))
-    for cfg in (smallest, largest):
-        small = cfg is smallest
-        for dtype in _FLOAT_DTYPES:
-            # Quick: the training forward (gelu on the smallest, silu on the largest, with bias and z) and
-            # SwiGLU's two-pair dx, each in bf16 and fp32 across the two configs.
-            act = 2 if small else 4
-            add_mm(cfg, dtype, "fwd", act, True, True, quick=_alternate(small, dtype))
-            add_mm(cfg, dtype, "dx2", quick=_alternate(small, dtype, flip=True))
-            if _slow(small, dtype):
-                continue
-            add_mm(cfg, dtype, "fwd")
-            add_mm(cfg, dtype, "dx")
-            add_mm(cfg, dtype, "generic")
-            add_mm(cfg, dtype, "fwd", 2, True, True, big=True)
-        add_mm(cfg, "fp32", "fwd", 2, True, True, precision="tf32")
-    for act in sorted(act_names):  # the other epilogues once (the matmul variants cover the whole grid)
-        if act not in (0, 2):
-            add_mm(smallest, "bf16", "fwd", act, True, act != 4)
-    add_mm(smallest, "bf16", "fwd", 0, True)  # bias only
-
-    # _grouped_swiglu_fwd_kernel (grouped_swiglu_fwd): x [T, K], weights [E, N, K], y [T, N], h [T, 2N]
-    # (absent: y, row stride N).
-    def add_swiglu(cfg, dtype, layout, store_h, quick=False, precision=None, big=False):
-        rows = _BIG if big else T
-        ints = dict(T=rows, K=K, N=N, E=E, T_BUCKET=_pow2(rows), s_xm=K, s_xk=1)
-        ints.update(s_wge=N * K, s_wgn=K, s_wgk=1, s_wue=N * K, s_wun=K, s_wuk=1)
-        ints.update(s_ym=N, s_yn=1, s_hm=2 * N if store_h else N, s_hn=1)
-        ptrs = {p: f"*{_TT[dtype]}" for p in ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr", "h_ptr")}
-        ptrs["offsets_ptr"] = "*i64"
-        consts = {"STORE_H": store_h, "EXPERT_BLOCK": gg._EXPERT_BLOCK}
-        tag = "store_h" if store_h else "no_h"
-        add(
-            "grouped_swiglu_fwd",
-            "_grouped_swiglu_fwd_kernel",
-            dtype,
-            tag,
-            layout,
-            cfg,
-            ptrs,
-            ints,
-            consts,
-            quick,
-            precision,
-            big,
-            dots=2,
-        )
-
-    largest, smallest = _largest_smallest(_configs(gg._SWIGLU_CONFIGS))
-    for cfg in (smallest, largest):
-        small = cfg is smallest
-        for dtype in _FLOAT_DTYPES:
-            add_swiglu(cfg, dtype, "fwd", True, quick=_alternate(small, dtype))
-            add_swiglu(cfg, dtype, "fwd", False, quick=_alternate(small, dtype, flip=True))
-            if _slow(small, dtype):
-                continue
-            add_swiglu(cfg, dtype, "generic", True)
-            add_swiglu(cfg, dtype, "fwd", True, big=True)
-        add_swiglu(cfg, "fp32", "fwd", True, precision="tf32")
-
-    # _grouped_dw_kernel (grouped_weight_grad). dw_db (grouped_linear): dz [T, N], x [T, K], dw [E, N, K],
-    # db [E, N]. dw (grouped_swiglu's [dw_gate | dw_up]): dz = dh [T, 2N], dw [E, 2N, K], db a [1, 1]
-    # dummy. db (frozen weight): dw a [1, 1, 1] dummy. Dummies have unit strides.
-    def add_dw(cfg, dtype, layout, case, quick=False, precision=None, big=False):
-        rows = _BIG if big else T
-        n = 2 * N if case == "dw" else N
-        ints = dict(T=rows, N=n, K=K, T_BUCKET=_pow2(rows), s_dzm=n, s_dzn=1, s_xm=K, s_xk=1)
-        ints.update(dict(s_dwe=n * K, s_dwn=K, s_dwk=1) if case != "db" else dict(s_dwe=1, s_dwn=1, s_dwk=1))
-        ints["s_dbe"] = 1 if case == "dw" else n
-        ptrs = {p: f"*{_TT[dtype]}" for p in ("dz_ptr", "x_ptr", "dw_ptr", "db_ptr")}
-        ptrs["offsets_ptr"] = "*i64"
-        consts = {"STORE_DW": case != "db", "STORE_DB": case != "dw"}
-        add(
-            "grouped_dw",
-            "_grouped_dw_kernel",
-            dtype,
-            case,
-            layout,
-            cfg,
-            ptrs,
-            ints,
-            consts,
-            quick,
-            precision,
-            big,
-        )
-
-    largest, smallest = _largest_smallest(_configs(gg._DW_CONFIGS))
-    for cfg in (smallest, largest):
-        small = cfg is smallest
-        for dtype in _FLOAT_DTYPES:
-            add_dw(cfg, dtype, "contig", "dw_db", quick=_alternate(small, dtype))
-            add_dw(cfg, dtype, "contig", "dw", quick=_alternate(small, dtype, flip=True))
-            add_dw(cfg, dtype, "contig", "db")
-            if _slow(small, dtype):
-                continue
-            add_dw(cfg, dtype, "generic", "dw_db")
-            add_dw(cfg, dtype, "contig", "dw_db", big=True)
-        add_dw(cfg, "fp32", "contig", "dw_db", precision="tf32")
-
-    # _swiglu_dh_kernel (swiglu_dh, a plain launch): dy [T, N], h and dh [T, 2N].
-    for dtype in _FLOAT_DTYPES:
-        for layout, big in (("contig", False), ("generic", False), ("contig", True)):
-            rows = _BIG if big else T
-            ints = dict(M=rows, N=N, s_dym=N, s_dyn=1, s_hm=2 * N, s_hn=1, s_dhm=2 * N, s_dhn=1)
-            ptrs = {p: f"*{_TT[dtype]}" for p in ("dy_ptr", "h_ptr", "dh_ptr")}
-            quick = dtype == "bf16" and layout == "contig" and not big
-            add(
-                "grouped_swiglu_dh",
-                "_swiglu_dh_kernel",
-                dtype,
-                "dh",
-                layout,
-                None,
-                ptrs,
-                ints,
-                dict(gg._DH_BLOCK),
-                quick,
-                big=big,
-            )
-    return out
 
 
 def _route_variants(arch: int, blocks: dict, score_funcs: dict[str, int], full: bool) -> list[Variant]:
@@ -959,42 +603,33 @@ def variants(full: bool | None = None) -> list[Variant]:
 
     Imports the kernel modules for their configs, block sizes and codes only.
     """
-    if full is None:
-        full = os.environ.get("SMPTK_COMPILE_ALL", "0") == "1"
     import importlib
 
-    # Modules by full name: ``smptk.kernels.fused_linear``, ``.swiglu``, ``.moe_route`` and ``.moe_dispatch``
-    # are shadowed by the functions.
-    _matmul, collectives, fused_linear, swiglu, grouped_gemm, moe_route, moe_dispatch = (
+    from smptk import settings
+
+    if full is None:
+        full = settings.compile_all()
+    # Modules by full name: ``smptk.kernels.moe_route`` and ``.moe_dispatch`` are shadowed by the functions.
+    gemm, epilogue, collectives, moe_route, moe_dispatch = (
         importlib.import_module(f"smptk.kernels.{m}")
-        for m in (
-            "_matmul",
-            "collectives",
-            "fused_linear",
-            "swiglu",
-            "_grouped_gemm",
-            "moe_route",
-            "moe_dispatch",
-        )
+        for m in ("_gemm", "_epilogue", "collectives", "moe_route", "moe_dispatch")
     )
 
-    act_names = {code: (name or "noact") for name, code in _matmul.ACTIVATION_CODES.items()}
     blocks = {
-        "act_names": act_names,
-        "act_bwd": dict(fused_linear._BWD_BLOCK),
-        "colsum": fused_linear._COLSUM_BLOCK_N,
-        "swiglu_bwd": dict(swiglu._BWD_BLOCK),
+        "act_names": {code: (name or "noact") for name, code in epilogue.ACTIVATION_CODES.items()},
+        "act_bwd": dict(epilogue._ACT_BWD_BLOCK),
+        "colsum": epilogue._COLSUM_BLOCK_N,
+        "swiglu_dh": dict(epilogue._DH_BLOCK),
     }
     coll_params = {
         name: list(inspect.signature(getattr(collectives, name).fn).parameters) for name in _COLL_KERNELS
     }
+    specs = list(gemm.specializations(full=full))
     out = []
     for arch in ARCHS:
-        out += _matmul_variants(arch, _configs(_matmul._CUDA_CONFIGS), act_names, full)
-        out += _swiglu_fwd_variants(arch, _configs(swiglu._CUDA_CONFIGS), full)
-        out += _elementwise_variants(arch, blocks)
+        out += _gemm_variants(arch, specs)
+        out += _elementwise_variants(arch, blocks, full)
         out += _collective_variants(arch, collectives.BLOCK, collectives.OPS, coll_params)
-        out += _grouped_gemm_variants(arch, grouped_gemm, act_names, full)
         out += _route_variants(arch, dict(moe_route._FWD_BLOCKS), moe_route.SCORE_FUNCS, full)
         out += _dispatch_variants(
             arch,
@@ -1063,7 +698,8 @@ def _diagnostics(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else text[:limit] + f"\n[... {len(text) - limit} more characters]"
 
 
-def _compile_one(v: Variant) -> dict:
+def _compile_one(v: Variant):
+    """Compile ``v``; returns (facts about the kernel, its PTX)."""
     import importlib
 
     import triton
@@ -1104,7 +740,65 @@ def _compile_one(v: Variant) -> dict:
     cubin = kernel.asm.get("cubin")
     if not cubin:
         raise RuntimeError("compiled without a cubin (ptxas did not run)")
-    return {"shared": int(getattr(kernel.metadata, "shared", 0) or 0), "cubin_bytes": len(cubin)}
+    facts = {"shared": int(getattr(kernel.metadata, "shared", 0) or 0), "cubin_bytes": len(cubin)}
+    return facts, kernel.asm["ptx"]
+
+
+# PTX instructions counted in every kernel (see the module docstring).
+_PTX_COUNTS = {
+    "wgmma": re.compile(r"wgmma\.mma_async"),
+    "tma_loads": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"),
+    "tma_stores": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"),
+}
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_GPU_NAME = {90: "sm_90a", 80: "sm_80"}  # Triton's --gpu-name per target (sm_90a: wgmma and TMA)
+
+
+def _parse_ptxas_log(text: str) -> dict | None:
+    """Registers and spill bytes from a ``ptxas -v`` log (summed over functions); None without them."""
+    regs, spills = _PTXAS_REGS.findall(text), _PTXAS_SPILLS.findall(text)
+    if not regs or not spills:
+        return None
+    return {
+        "registers": max(int(r) for r in regs),
+        "spill_stores": sum(int(s) for s, _ in spills),
+        "spill_loads": sum(int(ld) for _, ld in spills),
+    }
+
+
+def _ptxas_facts(arch: int, ptx: str, compile_log: str) -> dict:
+    """``_parse_ptxas_log`` of the ptxas run that made the cubin. Triton prints its log into the compile's
+    captured output (TRITON_DUMP_PTXAS_LOG=1) on a cache miss; the numbers are then kept in Triton's cache
+    under the PTX's hash, so a cache hit reads them back. Failing both, ptxas runs here with Triton's flags
+    (``-lineinfo -v --regAllocOptLevel=2 --gpu-name=...``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.runtime.cache import get_cache_manager
+
+    tool = get_ptxas(arch).path
+    key = hashlib.sha256(f"{tool}\n{_GPU_NAME[arch]}\n{ptx}".encode()).hexdigest()
+    cache = get_cache_manager(key)
+    cached = cache.get_file("ptxas_facts.json")
+    if cached is not None:
+        with open(cached) as f:
+            return json.load(f)
+    facts = _parse_ptxas_log(compile_log)
+    if facts is None:
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "kernel.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            cmd = [tool, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={_GPU_NAME[arch]}", src]
+            run = subprocess.run(
+                [*cmd, "-o", os.path.join(d, "kernel.cubin")], capture_output=True, text=True
+            )
+        facts = _parse_ptxas_log(run.stdout + run.stderr)
+        if facts is None:
+            raise RuntimeError(
+                f"ptxas -v printed no register/spill numbers (rc {run.returncode}):\n{run.stderr}"
+            )
+    cache.put(json.dumps(facts), "ptxas_facts.json", binary=False)
+    return facts
 
 
 def _worker() -> int:
@@ -1120,7 +814,8 @@ def _worker() -> int:
         proto.write(json.dumps({"unavailable": reason}) + "\n")
         return 0
     try:
-        table = {v.id: v for v in variants(full=True)}
+        # Both sets: the GEMM engine's quick variants are named apart from the full set's.
+        table = {v.id: v for full in (False, True) for v in variants(full=full)}
     except Exception:
         proto.write(
             json.dumps({"fatal": "building the variant table failed:\n" + traceback.format_exc()}) + "\n"
@@ -1137,9 +832,11 @@ def _worker() -> int:
         if v is None:
             res.update(ok=False, error=f"unknown variant id {vid!r}")
         else:
+            ptx = None
             with _capture_output() as captured:
                 try:
-                    res.update(ok=True, error=None, **_compile_one(v))
+                    facts, ptx = _compile_one(v)
+                    res.update(ok=True, error=None, **facts)
                 except Exception as e:
                     res.update(ok=False, error=f"{type(e).__name__}: {e}")
             if not res["ok"]:  # what the compiler printed, less what the exception already says
@@ -1150,6 +847,12 @@ def _worker() -> int:
                 ]
                 if extra and extra != ["[PTX listing omitted]"]:
                     res["error"] += "\n--- compiler output ---\n" + "\n".join(extra)
+            else:
+                res.update({k: len(rx.findall(ptx)) for k, rx in _PTX_COUNTS.items()})
+                try:
+                    res.update(_ptxas_facts(v.arch, ptx, captured["text"]))
+                except Exception as e:  # compiled, but no numbers: the checks that need them fail
+                    res["ptxas_error"] = f"{type(e).__name__}: {e}"
         res["seconds"] = round(time.perf_counter() - t0, 3)
         proto.write(json.dumps(res) + "\n")
     return 0
@@ -1167,13 +870,16 @@ def worker_env() -> dict[str, str]:
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    env["TRITON_DUMP_PTXAS_LOG"] = "1"  # the register and spill numbers of each cubin (_ptxas_facts)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def default_jobs() -> int:
-    if os.environ.get("SMPTK_COMPILE_JOBS"):
-        return max(1, int(os.environ["SMPTK_COMPILE_JOBS"]))
+    from smptk import settings
+
+    if settings.compile_jobs() is not None:
+        return settings.compile_jobs()
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
@@ -1347,12 +1053,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {e}", file=sys.stderr)
         return 0
     failed = sorted(r["id"] for r in results.values() if not r["ok"])
-    arch_of = {v.id: v.arch for v in variants(full=True)}
+    arch_of = {v.id: v.arch for full in (False, True) for v in variants(full=full)}
     for r in sorted(results.values(), key=lambda r: r["id"]):
         if r["ok"] and r.get("shared", 0) > SMEM_LIMIT[arch_of[r["id"]]]:
             limit = SMEM_LIMIT[arch_of[r["id"]]]
             print(
                 f"note: {r['id']}: {r['shared']} B shared > {limit} B, cannot launch there", file=sys.stderr
+            )
+        if r["ok"] and (r.get("spill_stores") or r.get("spill_loads")):
+            print(
+                f"note: {r['id']}: spills ({r['spill_stores']} B stores, {r['spill_loads']} B loads, "
+                f"{r['registers']} registers)",
+                file=sys.stderr,
             )
     print(
         f"{len(results)} variants in {time.perf_counter() - t0:.1f} s "

@@ -1,17 +1,31 @@
-"""Every Triton kernel of smptk compiles for sm_90 (H100) and sm_80 (A100): no GPU needed.
+"""Every Triton kernel of smptk compiles for sm_90 (H100) and sm_80 (A100), and the GEMM engine compiles to
+the instructions it is built for: no GPU needed.
 
 The CPU tests run the kernels under ``TRITON_INTERPRET=1`` (set by conftest), which never lowers them, so
 compiler-only errors (non-constexpr globals in a kernel, type mismatches across if/while, unsupported dtypes
-or instructions for a target, bad inline PTX, ptxas failures) would first show on a GPU machine. Here each
-variant is lowered to a cubin with Triton's code generator and its bundled ptxas, in worker processes that
-run without ``TRITON_INTERPRET`` (see ``_compile_kernels.py``: the variant table, what each variant pins, the
-quick set and ``SMPTK_COMPILE_ALL=1`` for the full one).
+or instructions for a target, bad inline PTX, ptxas failures) and slow code (no tensor-core MMA, no TMA,
+register spills) would first show on a GPU machine. Here each variant is lowered to a cubin with Triton's
+code generator and its bundled ptxas, in worker processes that run without ``TRITON_INTERPRET``, and the
+workers report what the PTX and ``ptxas -v`` say (see ``_compile_kernels.py``: where the variants come from,
+the quick set and ``SMPTK_COMPILE_ALL=1`` for the full one).
 
-One test per variant, so a failure names the kernel, the target and the specialization; the compiles run
-once per module, in ``SMPTK_COMPILE_JOBS`` (default: every usable CPU) workers, for the selected tests only
-(``-k matmul`` compiles only the matmul variants). Results land in Triton's cache (``TRITON_CACHE_DIR``), so
-a rerun with unchanged kernels takes seconds. Under pytest-xdist, keep this module on one worker
-(``--dist loadfile``), or each worker compiles the whole set.
+Checks, one test per variant, so a failure names the kernel, the target, the specialization and the numbers:
+
+- ``test_kernel_compiles``: every variant (GEMM engine, epilogue kernels, collectives, MoE routing and
+  dispatch) compiles to a cubin.
+- ``test_gemm_no_spills``: every GEMM engine variant, both load paths on sm_90 and the pointer path on
+  sm_80, every shipped config: ptxas spills 0 bytes.
+- ``test_gemm_tma_instructions``: every TMA variant (sm_90, 16-bit) multiplies with ``wgmma.mma_async``
+  and both loads and stores its tiles with ``cp.async.bulk.tensor``.
+
+The GEMM variants are ``_gemm.specializations()``, the launchers' own list; two in-process tests keep that
+list honest: it pins every ``_gemm_kernel`` constexpr, and every launch the ops make (both paths, the
+interpreter on CPU) is one of its specializations.
+
+The compiles run once per module, in ``SMPTK_COMPILE_JOBS`` (default: every usable CPU) workers, for the
+selected tests only (``-k gemm-sm90`` compiles only those). Results land in Triton's cache
+(``TRITON_CACHE_DIR``), the ptxas numbers beside them, so a rerun with unchanged kernels takes seconds. Under
+pytest-xdist, keep this module on one worker (``--dist loadfile``), or each worker compiles the whole set.
 
 Skipped, with the reason, only where Triton's CUDA backend or its ptxas cannot run on this machine.
 """
@@ -19,6 +33,7 @@ Skipped, with the reason, only where Triton's CUDA backend or its ptxas cannot r
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import pytest
 
@@ -26,8 +41,15 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed: no CUDA backend to compile with", allow_module_level=True)
 
 import _compile_kernels as ck
+import torch
+from helpers import HAS_CUDA, use_path
+
+from smptk.kernels import _gemm, runtime
 
 VARIANTS = {v.id: v for v in ck.variants()}
+GEMM_IDS = [vid for vid, v in VARIANTS.items() if v.gemm_path]
+TMA_IDS = [vid for vid in GEMM_IDS if VARIANTS[vid].gemm_path == "tma"]
+_COMPILE_TESTS = ("test_kernel_compiles", "test_gemm_no_spills", "test_gemm_tma_instructions")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +58,7 @@ def compile_results(request: pytest.FixtureRequest) -> dict[str, dict]:
     selected = {
         item.callspec.params["variant_id"]
         for item in request.session.items
-        if getattr(item, "originalname", None) == "test_kernel_compiles" and hasattr(item, "callspec")
+        if getattr(item, "originalname", None) in _COMPILE_TESTS and hasattr(item, "callspec")
     }
     ids = [vid for vid in VARIANTS if vid in selected]  # VARIANTS is heaviest first: better load balance
     try:
@@ -45,9 +67,8 @@ def compile_results(request: pytest.FixtureRequest) -> dict[str, dict]:
         pytest.skip(f"cannot compile for CUDA targets here: {e}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant_id", list(VARIANTS))
-def test_kernel_compiles(compile_results: dict[str, dict], variant_id: str) -> None:
+def _compiled(compile_results: dict[str, dict], variant_id: str) -> dict:
+    """The variant's result; fails, naming it, unless it compiled and, for the GEMM engine, has numbers."""
     variant = VARIANTS[variant_id]
     result = compile_results.get(variant_id)
     assert result is not None, f"{variant_id}: no result came back from the compile workers"
@@ -57,3 +78,169 @@ def test_kernel_compiles(compile_results: dict[str, dict], variant_id: str) -> N
             f"{variant.describe()}\n\n{result['error']}",
             pytrace=False,
         )
+    if variant.gemm_path and "ptxas_error" in result:
+        pytest.fail(f"{variant_id}: compiled, but no ptxas numbers: {result['ptxas_error']}", pytrace=False)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant_id", list(VARIANTS))
+def test_kernel_compiles(compile_results: dict[str, dict], variant_id: str) -> None:
+    _compiled(compile_results, variant_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant_id", GEMM_IDS)
+def test_gemm_no_spills(compile_results: dict[str, dict], variant_id: str) -> None:
+    """A spill is a local-memory round trip in the K loop or the epilogue: no shipped config may have one."""
+    r = _compiled(compile_results, variant_id)
+    if r["spill_stores"] or r["spill_loads"]:
+        pytest.fail(
+            f"{variant_id} spills on sm_{VARIANTS[variant_id].arch}: {r['spill_stores']} B stores, "
+            f"{r['spill_loads']} B loads at {r['registers']} registers/thread "
+            f"(shrink the config or drop it from _gemm.py's lists)",
+            pytrace=False,
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant_id", TMA_IDS)
+def test_gemm_tma_instructions(compile_results: dict[str, dict], variant_id: str) -> None:
+    """The TMA path on sm_90 is warpgroup MMA fed and drained by the tensor-memory engine."""
+    variant = VARIANTS[variant_id]
+    assert variant.arch >= 90 and variant.dtype in ("bf16", "fp16"), f"{variant_id}: TMA is sm_90+, 16-bit"
+    r = _compiled(compile_results, variant_id)
+    counts = {k: r[k] for k in ("wgmma", "tma_loads", "tma_stores")}
+    if not all(counts.values()):
+        pytest.fail(
+            f"{variant_id}: expected wgmma, TMA loads and TMA stores, PTX has {counts}", pytrace=False
+        )
+
+
+# --- the specialization list against the kernel and the launchers (in process, no compile) -------------
+
+# Tile and schedule constexprs: they differ per config (and under the interpreter), not per op kind.
+_CONFIG_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EPI_SUB", "EXPERT_BLOCK"}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _kernel_constexprs() -> set[str]:
+    fn = getattr(_gemm._gemm_kernel, "fn", _gemm._gemm_kernel)  # JITFunction or InterpretedFunction
+    return {n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)}
+
+
+def test_specializations_pin_every_constexpr() -> None:
+    """A constexpr added to ``_gemm_kernel`` must get a value in every specialization (else the compile
+    check would silently take its default, or fail on a missing one)."""
+    names = _kernel_constexprs()
+    assert {"GROUPING", "TMA", "BLOCK_M"} <= names, names
+    for full in (False, True):
+        for s in _gemm.specializations(full=full):
+            assert set(s.constexprs) == names, (
+                f"{s.id}: constexprs {sorted(s.constexprs)} vs the kernel's {sorted(names)}: missing "
+                f"{sorted(names - set(s.constexprs))}, unknown {sorted(set(s.constexprs) - names)}"
+            )
+            sig = s.signature()
+            assert {n for n, t in sig.items() if t == "constexpr"} == names, s.id
+            assert list(sig) == list(_gemm._gemm_kernel.arg_names), s.id
+
+
+def _launch_key(dtype: str, constexprs: dict) -> tuple:
+    return (dtype, *sorted((k, v) for k, v in constexprs.items() if k not in _CONFIG_CONSTEXPRS))
+
+
+class _Recorder:
+    """Stands in for ``_gemm._gemm_kernel``: notes each launch's dtype and constexprs, then launches."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            consts = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+            self.seen.append(_launch_key(_DTYPE_NAMES[args[0].dtype], consts))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def _run_every_op(device: str, dtype: torch.dtype) -> None:
+    """Forward and backward of every op that multiplies, with and without the epilogue's extras. K and N are
+    multiples of 8 (16-byte rows in 16-bit types, so SMPTK_GEMM_PATH=tma can take TMA)."""
+    from smptk.kernels import fused_linear, grouped_linear, grouped_swiglu, swiglu
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g, device=device).to(dtype).requires_grad_()
+
+    M, K, N = 20, 40, 24
+    counts = torch.tensor([7, 0, 13], device=device)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    x, w, b = rand(M, K), rand(N, K), rand(N)
+    wg, wu, ew, eb, ewg, ewu = rand(N, K), rand(N, K), rand(3, N, K), rand(3, N), rand(3, N, K), rand(3, N, K)
+    outs = [
+        fused_linear(x, w, b, activation="gelu"),
+        fused_linear(x, w),
+        swiglu(x, wg, wu),
+        grouped_linear(x, ew, offsets, bias=eb, activation="silu"),
+        grouped_linear(x, ew, offsets),
+        grouped_swiglu(x, ewg, ewu, offsets),
+    ]
+    sum(o.float().sum() for o in outs).backward()
+    with torch.no_grad():  # inference: no pre-activation stores
+        fused_linear(x, w, b, activation="relu")
+        swiglu(x, wg, wu)
+        grouped_swiglu(x, ewg, ewu, offsets)
+
+
+def _launches(monkeypatch, device: str, dtype: torch.dtype, path: str) -> list[tuple]:
+    seen: list[tuple] = []
+    use_path(monkeypatch, "triton", device)
+    monkeypatch.setenv("SMPTK_GEMM_PATH", path)
+    monkeypatch.setenv("SMPTK_AUTOTUNE", "0")  # every launch through _gemm_kernel[grid](...)
+    monkeypatch.setattr(_gemm, "_gemm_kernel", _Recorder(_gemm._gemm_kernel, seen))
+    _run_every_op(device, dtype)
+    assert seen, "no GEMM launch was recorded"
+    return seen
+
+
+def _device_and_dtype() -> tuple[str, torch.dtype]:
+    """CPU under the interpreter in fp16 (its bf16 dot is wrong, and 16-bit takes TMA); else sm_90 CUDA."""
+    if runtime.interpreter_enabled():
+        return "cpu", torch.float16
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9:
+        return "cuda", torch.bfloat16
+    pytest.skip("needs the Triton interpreter (CPU) or an sm_90+ GPU to take both load paths")
+
+
+@pytest.mark.slow
+def test_specializations_cover_every_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch the ops make (16-bit on both paths; fp32 on the pointer path, with TF32 off and on) is a
+    specialization of the full set, and every op kind of the quick set is launched by some op (no kind goes
+    unchecked, none is stale). Kinds compare everything but the tile: path, grouping, dual, operand layouts,
+    epilogue, dtype and precision."""
+    device, half = _device_and_dtype()
+    full = {_launch_key(s.dtype, s.constexprs) for s in _gemm.specializations(full=True)}
+    seen = []
+    passes = ((half, "tma", False), (half, "pointer", False), (torch.float32, "pointer", False))
+    for dtype, path, tf32 in (*passes, (torch.float32, "pointer", True)):
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)  # fp32 precision: ieee / tf32
+        launched = _launches(monkeypatch, device, dtype, path)
+        assert any(dict(k[1:])["TMA"] for k in launched) == (path == "tma"), f"{path}: path not taken"
+        seen += launched
+    missing = sorted({k for k in seen if k not in full})
+    assert not missing, "launches that specializations(full=True) does not list:\n" + "\n".join(
+        map(str, missing)
+    )
+
+    def kind(key: tuple) -> tuple:
+        d = dict(key[1:])
+        return tuple(d[k] for k in ("TMA", "GROUPING", "DUAL", "A_T", "B_T", "A2_T", "B2_T"))
+
+    launched_kinds = {kind(k) for k in seen}
+    stale = sorted({(s.name, kind(_launch_key(s.dtype, s.constexprs))) for s in _gemm.specializations()})
+    stale = [(name, k) for name, k in stale if k not in launched_kinds]
+    assert not stale, f"specializations no op launches (TMA, GROUPING, DUAL, A_T, B_T, A2_T, B2_T): {stale}"
