@@ -32,12 +32,17 @@ Layout (used by ``tests/test_kernels_compile.py``, and runnable on its own):
 Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``) takes the full set.
 
 - The GEMM engine (``smptk.kernels._gemm._gemm_kernel``, ids ``gemm-sm<arch>-<specialization id>``): not a
-  table here but what the launchers produce, ``_gemm.specializations()`` (``full=True`` with the full set):
-  per op kind (dense / rows-by-expert / reduction-by-expert, SwiGLU, two-pair dx, weight grads) and shipped
-  config, the heaviest epilogue; TMA variants in bf16, pointer variants in bf16 and fp32 (the full set adds
-  fp16 and every epilogue). sm_90 compiles every one, TMA and pointer; sm_80 the pointer ones (TMA needs
-  sm_90). Signatures as the launcher's: pointers 16-byte aligned (``tt.divisibility = 16``; the launcher's
-  tensors are), sizes and strides i32 and unspecialized, ``num_warps`` / ``num_stages`` from the config.
+  table here but what the launchers produce, ``_gemm.specializations()``: per op kind (dense /
+  rows-by-expert / reduction-by-expert, SwiGLU, two-pair dx, weight grads) and shipped config, the
+  heaviest epilogue; TMA variants in bf16, pointer variants in bf16 and fp32. Quick set: on sm_90 every TMA
+  variant (46); on sm_90 and on sm_80 (TMA needs sm_90) the pointer variants at each op kind's smallest
+  and largest config in bf16 and its smallest in fp32 (30 per arch, ``_quick_pointer``: the configs
+  between would add over half an hour of compiles on a 2-core machine, 5-20 s each in bf16 and 10-100 s in
+  fp32). Full set: ``specializations(full=True)`` (fp16 too, every epilogue) on every config, both archs.
+  Signatures as the specializations give them: pointers 16-byte aligned (``tt.divisibility = 16``; the
+  launcher's tensors are), sizes and strides i32 (Triton's launcher also pins integer arguments equal to 1
+  as constexprs and marks multiples of 16; the specializations do not carry that yet),
+  ``num_warps`` / ``num_stages`` from the config.
 - ``_act_bwd_kernel`` (every activation x the STORE_DZ/COLSUM pairs the launcher uses, every dtype, one
   generic-stride variant), ``_colsum_kernel`` in every dtype, ``_swiglu_dh_kernel`` in bf16 (full: every
   dtype, generic strides, i64 rows), all from ``smptk.kernels._epilogue``.
@@ -199,11 +204,33 @@ def _from_values(ptrs: dict[str, str], ints: dict[str, int], layout: str = "cont
 _GEMM = "smptk.kernels._gemm:_gemm_kernel"
 
 
-def _gemm_variants(arch: int, specs: list) -> list[Variant]:
-    """One variant per ``_gemm.Specialization`` this arch can run: TMA ones on sm_90+ only."""
+def _quick_pointer(specs: list) -> set[str]:
+    """Pointer-path specialization ids of the quick set: per op kind, bf16 at the smallest and the largest
+    config (by tile volume) and fp32 at the smallest. The configs between, fp16 and every epilogue are in the
+    full set: each pointer compile takes 5-20 s in bf16 and 10-100 s in fp32 (its ``tl.dot`` is an FMA loop
+    unrolled over the tile) on a 2-core machine, too many for every CI run."""
+    by_kind: dict[tuple, list] = {}
+    for s in specs:
+        if s.path == "pointer":
+            by_kind.setdefault((s.name, s.dtype), []).append(s)
+    keep = set()
+    for (_, dtype), group in by_kind.items():
+        ranked = sorted(
+            group, key=lambda s: (s.config.block_m * s.config.block_n * s.config.block_k, s.config.warps)
+        )
+        keep |= {ranked[0].id} if dtype == "fp32" else {ranked[0].id, ranked[-1].id}
+    return keep
+
+
+def _gemm_variants(arch: int, specs: list, full: bool) -> list[Variant]:
+    """One variant per ``_gemm.Specialization`` this arch can run (TMA ones on sm_90+ only); the quick set
+    takes every TMA one and ``_quick_pointer``'s pointer ones, on each arch."""
+    quick = None if full else _quick_pointer(specs)
     out = []
     for s in specs:
-        if s.path == "tma" and arch < 90:
+        if (s.path == "tma" and arch < 90) or (
+            quick is not None and s.path == "pointer" and s.id not in quick
+        ):
             continue
         ptrs = {name: t for name, t in s.signature().items() if t.startswith("*")}
         c = s.config
@@ -627,7 +654,7 @@ def variants(full: bool | None = None) -> list[Variant]:
     specs = list(gemm.specializations(full=full))
     out = []
     for arch in ARCHS:
-        out += _gemm_variants(arch, specs)
+        out += _gemm_variants(arch, specs, full)
         out += _elementwise_variants(arch, blocks, full)
         out += _collective_variants(arch, collectives.BLOCK, collectives.OPS, coll_params)
         out += _route_variants(arch, dict(moe_route._FWD_BLOCKS), moe_route.SCORE_FUNCS, full)
