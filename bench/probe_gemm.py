@@ -109,11 +109,20 @@ def main() -> int:
     t_eager = bench(lambda: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))
     rows.append({"impl": "torch_matmul", "ms": t_mm, "tflops": flops / t_mm / 1e9})
     rows.append({"impl": "torch_eager_gelu", "ms": t_eager, "tflops": flops / t_eager / 1e9})
-    print(f"torch.matmul {t_mm:.3f} ms {flops / t_mm / 1e9:.0f} TFLOP/s; eager gelu {t_eager:.3f} ms", flush=True)
+    print(
+        f"torch.matmul {t_mm:.3f} ms {flops / t_mm / 1e9:.0f} TFLOP/s; eager gelu {t_eager:.3f} ms",
+        flush=True,
+    )
     configs = []
-    for bm, bn, bk, stages, warps in ((128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 8),
-                                      (128, 128, 64, 5, 4), (128, 256, 128, 2, 8), (256, 128, 64, 3, 8),
-                                      (128, 128, 128, 3, 8)):
+    for bm, bn, bk, stages, warps in (
+        (128, 256, 64, 3, 8),
+        (128, 256, 64, 4, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 5, 4),
+        (128, 256, 128, 2, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 128, 3, 8),
+    ):
         for gelu, subtile in itertools.product((False, True), (False, True)):
             configs.append((bm, bn, bk, stages, warps, gelu, subtile, False))
     configs += [(128, 256, 64, 3, 8, True, True, True), (128, 128, 64, 4, 8, True, True, True)]
@@ -122,9 +131,29 @@ def main() -> int:
         progs = min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn))
         name = f"BM{bm}-BN{bn}-BK{bk}-s{stages}-w{warps}-gelu{int(gelu)}-sub{int(subtile)}-ws{int(ws)}"
 
-        def run(c=c, bm=bm, bn=bn, bk=bk, stages=stages, warps=warps, gelu=gelu, subtile=subtile, ws=ws, p=progs):
-            _probe_kernel[(p,)](x, w, c, b, M, N, K, p, bm, bn, bk, 8, gelu, subtile, ws, stages,
-                                num_warps=warps, num_stages=stages)
+        def run(
+            c=c, bm=bm, bn=bn, bk=bk, stages=stages, warps=warps, gelu=gelu, subtile=subtile, ws=ws, p=progs
+        ):
+            _probe_kernel[(p,)](
+                x,
+                w,
+                c,
+                b,
+                M,
+                N,
+                K,
+                p,
+                bm,
+                bn,
+                bk,
+                8,
+                gelu,
+                subtile,
+                ws,
+                stages,
+                num_warps=warps,
+                num_stages=stages,
+            )
 
         try:
             run()
@@ -137,15 +166,35 @@ def main() -> int:
         ref = ref_gelu if gelu else ref_mm
         err = ((c.float() - ref).norm() / ref.norm()).item()
         t = bench(run)
-        row = {"impl": name, "ms": t, "tflops": flops / t / 1e9, "rel_err": err,
-               "pct_matmul": 100 * t_mm / t, "vs_eager": t_eager / t if gelu else None}
+        row = {
+            "impl": name,
+            "ms": t,
+            "tflops": flops / t / 1e9,
+            "rel_err": err,
+            "pct_matmul": 100 * t_mm / t,
+            "vs_eager": t_eager / t if gelu else None,
+        }
         rows.append(row)
-        print(f"{name}: {t:.3f} ms {row['tflops']:.0f} TFLOP/s ({row['pct_matmul']:.0f}% of matmul) "
-              f"err {err:.1e}" + (f" {t_eager / t:.2f}x eager" if gelu else ""), flush=True)
+        print(
+            f"{name}: {t:.3f} ms {row['tflops']:.0f} TFLOP/s ({row['pct_matmul']:.0f}% of matmul) "
+            f"err {err:.1e}" + (f" {t_eager / t:.2f}x eager" if gelu else ""),
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"M": M, "K": K, "N": N, "torch": torch.__version__, "triton": triton.__version__,
-                       "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "M": M,
+                    "K": K,
+                    "N": N,
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "gpu": torch.cuda.get_device_name(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -445,10 +445,11 @@ def _tma_operand_ok(t: torch.Tensor, strides: tuple[int, ...], *dims: int) -> bo
     return all((s * es) % 16 == 0 for s in (other, *lead))
 
 
-def _choose_tma(device: torch.device, dtype: torch.dtype, operands: list[tuple]) -> bool:
-    """TMA or pointer path for one launch (see the module docstring for SMPTK_GEMM_PATH)."""
+def _choose_tma(device: torch.device, dtype: torch.dtype, operands: list[tuple] | None) -> bool:
+    """TMA or pointer path for one launch (see the module docstring for SMPTK_GEMM_PATH); ``operands``
+    None means a store target TMA cannot write."""
     path = settings.gemm_path()
-    if path == "pointer" or dtype not in (torch.float16, torch.bfloat16):
+    if path == "pointer" or operands is None or dtype not in (torch.float16, torch.bfloat16):
         return False
     if path == "auto" and not (_hopper(device) and not runtime.interpreter_enabled()):
         return False
@@ -541,23 +542,24 @@ class _Launch:
     activation: int = ACT_NONE
     E: int = 1
 
-    def tma_operands(self) -> list[tuple]:
+    def tma_operands(self) -> list[tuple] | None:
+        """(tensor, strides, dims...) of every operand a descriptor would cover; None when a store target
+        lacks a unit column stride (TMA stores need one)."""
         M, R = self.a.shape
         C = self.b.shape[2]
-        ops = [(self.a, self.a.stride(), M, R), (self.b, self.b.stride(), R, C)]
-        ops.append((self.c, self.c.stride(), M, C))
-        if self.c.stride(2) != 1:
-            return [(self.c, (3, 3), 0)]  # stores need a unit column stride: not TMA
-        for t in (self.a2,):
-            if t is not None:
-                ops.append((t, t.stride(), M, R))
+        stores = [self.c[0]] + [t for t in (self.z, self.z2) if t is not None]
+        if any(t.stride(1) != 1 for t in stores):
+            return None
+        ops = [
+            (self.a, self.a.stride(), M, R),
+            (self.b, self.b.stride(), R, C),
+            (self.c, self.c.stride(), M, C),
+        ]
+        if self.a2 is not None:
+            ops.append((self.a2, self.a2.stride(), M, R))
         if self.b2 is not None:
             ops.append((self.b2, self.b2.stride(), R, C))
-        for t in (self.z, self.z2):
-            if t is not None:
-                if t.stride(1) != 1:
-                    return [(t, (3, 3), 0)]
-                ops.append((t, t.stride(), M, C))
+        ops += [(t, t.stride(), M, C) for t in (self.z, self.z2) if t is not None]
         return ops
 
     def run(self) -> None:
@@ -782,6 +784,7 @@ _ACT_EPILOGUES = [
     (a, b, z, False) for a in _ALL_ACTS for b in (False, True) for z in ((False, True) if a else (False,))
 ]
 _PLAIN = [(ACT_NONE, False, False, False)]
+_ROWSUM_EPILOGUES = [(ACT_NONE, False, False, r) for r in (False, True)]
 _SWIGLU_EPILOGUES = [(ACT_NONE, False, z, False) for z in (False, True)]
 _KINDS = (
     ("linear_fwd", GROUP_NONE, DUAL_NONE, False, True, False, False, _ACT_EPILOGUES),
@@ -793,7 +796,7 @@ _KINDS = (
     ("grouped_dx", GROUP_ROWS, DUAL_NONE, False, False, False, False, _PLAIN),
     ("grouped_swiglu_fwd", GROUP_ROWS, DUAL_SWIGLU, False, True, False, True, _SWIGLU_EPILOGUES),
     ("grouped_swiglu_dx", GROUP_ROWS, DUAL_SUM, False, False, False, False, _PLAIN),
-    ("grouped_dw", GROUP_REDUCTION, DUAL_NONE, True, False, False, False, [(ACT_NONE, False, False, r) for r in (False, True)]),
+    ("grouped_dw", GROUP_REDUCTION, DUAL_NONE, True, False, False, False, _ROWSUM_EPILOGUES),
 )  # fmt: skip
 
 
@@ -811,8 +814,9 @@ def specializations(*, full: bool = False) -> Iterator[Specialization]:
     """
     for name, grouping, dual, a_t, b_t, a2_t, b2_t, epilogues in _KINDS:
         epis = epilogues if full else [_heaviest(epilogues)]
-        for path, dtypes in (("tma", ("bf16", "fp16") if full else ("bf16",)),
-                             ("pointer", ("bf16", "fp32", "fp16") if full else ("bf16", "fp32"))):  # fmt: skip
+        tma_dtypes = ("bf16", "fp16") if full else ("bf16",)
+        ptr_dtypes = ("bf16", "fp32", "fp16") if full else ("bf16", "fp32")
+        for path, dtypes in (("tma", tma_dtypes), ("pointer", ptr_dtypes)):
             tma = path == "tma"
             configs = (_TMA_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _TMA_CONFIGS) if tma else (
                 _PTR_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _PTR_CONFIGS)  # fmt: skip

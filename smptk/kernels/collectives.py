@@ -189,7 +189,7 @@ def _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, 
     compare with their own call after the first barrier, and while they wait for this rank.
     """
     ok = 1 - _failed_before(status_ptr, world)
-    if not SIMULATED:  # noqa: SIM102 -- a constexpr test cannot be and-ed with a tensor condition
+    if not SIMULATED:
         if (ok != 0) & (call_tag != 0):
             own = _call_words(signal_W, rank)
             tl.atomic_xchg(own + 1, call_numel, sem="relaxed", scope="sys")
@@ -210,7 +210,7 @@ def _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED: tl.conste
     ranks whose earlier symmetric calls differ in number are caught too (a rank that made one extra
     call identical to the next one cannot be told apart from it: that ends in a timeout).
     """
-    if not SIMULATED:  # noqa: SIM102 -- a constexpr test cannot be and-ed with a tensor condition
+    if not SIMULATED:
         if (entered != 0) & (_missing(status_ptr, world) == 0):
             own = _call_words(signal_W, rank)
             for q in range(0, world):
