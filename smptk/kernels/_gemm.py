@@ -288,7 +288,13 @@ def _gemm_kernel(
             r_lo = row0 * 0
             r_hi = R + row0 * 0
         col0 = pid_n.to(tl.int64) * BLOCK_N
-        if row0 < row_end:  # GROUPING=1 launches an upper bound of row tiles; the extra ones have no rows
+        # GROUPING=1 launches an upper bound of row tiles; the extra ones have no rows. Elsewhere every tile
+        # has rows, and the test stays a compile-time True: a runtime branch around the tile body keeps
+        # Triton from flattening the persistent loop (next tile's loads overlapping this tile's epilogue).
+        has_rows = True
+        if GROUPING == 1:
+            has_rows = row0 < row_end
+        if has_rows:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             rsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
