@@ -11,8 +11,8 @@ Rules it keeps:
   and libc string, git reports only the commit sha and a dirty flag, and GPUs are identified by model
   name (their UUID and PCI address are used only to match NVML devices with torch devices).
 - **CUDA-only calls are guarded**: NVML (``pynvml`` from nvidia-ml-py) and ``torch.cuda`` are queried only
-  when present, and ``smptk.kernels`` is imported lazily, after the caller has had the chance to set
-  ``TRITON_INTERPRET``.
+  when present; ``smptk.kernels`` is imported lazily, and triton not at all (its version comes from its
+  package metadata).
 
 Example::
 
@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import platform
 import re
@@ -60,11 +61,24 @@ def _torch_versions() -> dict[str, Any]:
 
 
 def _triton_version() -> str | None:
+    """The importable triton's version, read from its package metadata: importing triton (0.2 s, and its
+    CUDA backend) is left to the first Triton-path call (:mod:`smptk.kernels._triton`)."""
+    loaded = sys.modules.get("triton")
+    if loaded is not None:
+        return getattr(loaded, "__version__", None)
     try:
-        import triton
+        from smptk.kernels import _triton
+
+        if not _triton.available():
+            return None
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version("triton")
+        # A build that ships the module under another distribution name ("pytorch-triton").
+        names = importlib.metadata.packages_distributions().get("triton")
+        return importlib.metadata.version(names[0]) if names else None
     except Exception:
-        return None
-    return getattr(triton, "__version__", None)
+        pass
+    return None
 
 
 def _git_state(checkout: Path = _CHECKOUT) -> tuple[str | None, bool | None]:

@@ -387,8 +387,8 @@ def _collective_variants(arch: int, block: int, ops: dict[str, int], params: dic
 #
 # Specialization from argument values (``_from_values``): each variant passes the sizes and strides a real
 # launch does, as the launchers in moe_route.py and moe_dispatch.py compute them.
-_ROUTE = "smptk.kernels.moe_route:"
-_DISP = "smptk.kernels.moe_dispatch:"
+_ROUTE = "smptk.kernels._moe_route_kernels:"
+_DISP = "smptk.kernels._moe_dispatch_kernels:"
 # Routing and dispatch: T = 4096 tokens, H = 2048; set-ups (E, top_k, score_func, renormalize, expert
 # bias): E = k = 1 (unit sizes become constexprs), Mixtral (8, 2), DeepSeek-V2-Lite (64, 6), DeepSeek-V2
 # (160, 6: a padded 256-wide expert block), DeepSeek-V3 (256, 8, sigmoid scores and the selection bias).

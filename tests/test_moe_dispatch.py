@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from helpers import DTYPES, dtype_id, generator, randn, use_path
 
+from smptk.kernels import _index
 from smptk.kernels.moe_dispatch import MoEDispatchPlan, moe_combine, moe_dispatch
 from smptk.kernels.moe_route import moe_route
 from smptk.testing import assert_close
@@ -351,11 +352,11 @@ def _index_math_probe_kernel(rows_ptr, pairs_ptr, out_ptr, stride, top_k, N: tl.
     """out[0:N] = rows * stride, out[N:2N] = t, out[2N:3N] = j of pair index p, via the kernels' helpers."""
     i = tl.arange(0, N)
     rows = tl.load(rows_ptr + i)
-    tl.store(out_ptr + i, md.row_offset(rows, stride))
-    t, j = md.pair_coords(tl.load(pairs_ptr + i), top_k)
+    tl.store(out_ptr + i, _index.row_offset(rows, stride))
+    t, j = _index.pair_coords(tl.load(pairs_ptr + i), top_k)
     tl.store(out_ptr + N + i, t)
     tl.store(out_ptr + 2 * N + i, j)
-    tl.store(out_ptr + 3 * N + i, md.row_offset(tl.program_id(0) + i, stride))
+    tl.store(out_ptr + 3 * N + i, _index.row_offset(tl.program_id(0) + i, stride))
 
 
 def test_index_math_past_2_31(monkeypatch):

@@ -33,9 +33,11 @@ import torch.distributed as dist
 
 import smptk.settings as env_settings
 from smptk.comm.heap import HeapUnavailable, SymmetricHeap
-from smptk.kernels import collectives as K
 from smptk.kernels import runtime
+from smptk.kernels._triton import kernel_module
 from smptk.kernels.heap_layout import CALL_OFFSET, MAX_PROGRAMS, SEEN_OFFSET
+
+K = kernel_module("smptk.kernels.collectives")  # imported (with triton) on first use: smptk.kernels._triton
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,

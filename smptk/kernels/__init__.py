@@ -9,7 +9,9 @@ Public ops:
   :func:`grouped_linear` / :func:`grouped_swiglu` (every expert's GEMM in one launch).
 
 Which implementation runs is decided per call by :mod:`smptk.kernels.runtime` (``SMPTK_KERNELS``).
-Set ``TRITON_INTERPRET=1`` before importing this package to run the Triton kernels on CPU tensors.
+Importing this package does not import triton: the first call that takes the Triton path does
+(:mod:`smptk.kernels._triton`). Set ``TRITON_INTERPRET=1`` before that call to run the Triton kernels on CPU
+tensors.
 The MoE functions shadow their modules' names here; import a module by its full path
 (``import smptk.kernels.moe_route``) to reach its other contents.
 """

@@ -1,8 +1,11 @@
-"""Index helpers shared by the kernels: tile order, and an expert's rows and tiles from MoE offsets.
+"""Index helpers shared by the kernels: int64 offsets, tile order, and an expert's rows and tiles.
 
-Part of the private GEMM engine (see ``_gemm.py``'s docstring for what lives where). Every result that
-can meet a stride is int64: ``rows * stride`` passes 2^31 long before a tensor stops fitting in memory.
+Used by the GEMM engine (see ``_gemm.py``'s docstring for what lives where) and by the MoE routing and
+dispatch kernels. Every result that can meet a stride is int64: ``rows * stride`` passes 2^31 long before a
+tensor stops fitting in memory.
 
+- ``row_offset``: ``rows * stride`` in int64 for int32 rows (program ids, loaded indices).
+- ``pair_coords``: MoE pair index ``p = t * k + j`` -> ``(t, j)`` in int64.
 - ``swizzle``: tile index -> (row tile, column tile) in GROUP_M-tall column sweeps, so GROUP_M row blocks
   of A stay hot in L2 while the programs sweep B's columns (the schedule of Triton's matmul tutorial).
 - ``expert_rows``: rows ``[lo, hi)`` of one expert, clamped into ``[0, T]``.
@@ -17,6 +20,20 @@ Worked example of ``expert_row_tile``, offsets = [0, 2, 2, 5] (E = 3, T = 5), BL
 from __future__ import annotations
 
 from smptk.kernels._triton import tl, triton
+
+
+@triton.jit
+def row_offset(rows, stride):
+    """``rows * stride`` in int64: ``rows`` may be int32 (program ids, loaded indices) and the product pass
+    2^31 (row 2^20 of a 4096-wide buffer already does)."""
+    return tl.cast(rows, tl.int64) * stride  # tl.cast: also takes the interpreter's plain-int loop indices
+
+
+@triton.jit
+def pair_coords(p, top_k):
+    """Pair index ``p = t * top_k + j`` (any int type) -> ``(t, j)`` in int64."""
+    p64 = tl.cast(p, tl.int64)
+    return p64 // top_k, p64 % top_k
 
 
 @triton.jit

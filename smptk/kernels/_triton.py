@@ -1,36 +1,175 @@
-"""``triton`` and ``triton.language`` for the kernel modules, with stand-ins where Triton is not installed.
+"""Triton for smptk: imported on the first Triton-path call, never at ``import smptk``; stand-ins without it.
 
-Every kernel module imports Triton through here (``from smptk.kernels._triton import triton, tl``), so
-``import smptk.kernels`` works on a machine without Triton (macOS, Windows, a CPU-only install) and every
-op takes its pure-PyTorch path there (:mod:`smptk.kernels.runtime` reads :data:`HAVE_TRITON`).
+Importing triton takes about 0.23 s and decorating smptk's kernels another 0.08 s (``python -X importtime``,
+torch 2.13 CPU + triton 3.9; torch itself takes 1.9 s), and it loads Triton's CUDA backend into processes
+that only run the PyTorch path, build a model on meta or print ``smptk info``. So the split is:
 
-The stand-ins keep module-level code working and fail loudly at launch:
+- **Kernel modules** define ``@triton.jit`` functions at import (``_gemm``, ``_epilogue``, ``_index``,
+  ``_moe_route_kernels``, ``_moe_dispatch_kernels``, ``collectives``) and take Triton from here:
+  ``from smptk.kernels._triton import tl, triton``. Those names (and :data:`HAVE_TRITON`,
+  :data:`INTERPRETER_AT_IMPORT`) are resolved on first access through the module ``__getattr__``
+  (PEP 562): that is when triton is imported, or the stand-ins installed.
+- **Host modules** (the public ops, :mod:`~smptk.kernels.runtime`, :mod:`smptk.comm`) never import a kernel
+  module at their top. They hold a :func:`kernel_module` handle, which imports its module on its first
+  attribute access, i.e. inside a Triton-path call, and size grids with :func:`cdiv` and
+  :func:`next_power_of_2` (plain arithmetic, no import). :func:`available` says whether triton can be
+  imported, without importing it.
+
+Why a handle rather than an ``import`` inside each launcher: it is one loader in one place, the launch code
+reads as before (``_gemm.matmul(...)``, ``K.OPS``), and the module it names is spelled once, at the top of
+the file, where a reader looks for imports. ``tests/test_lazy_triton.py`` checks that importing every
+package and running the PyTorch path leaves ``triton`` out of ``sys.modules``.
+
+Without Triton installed (macOS, Windows, a CPU-only install) every op takes its pure-PyTorch path
+(:mod:`smptk.kernels.runtime` reads :func:`available`), and a kernel module still imports, with stand-ins
+that keep module-level code working and fail loudly at launch:
 
 - ``triton.jit``, ``triton.autotune(...)``, ``triton.heuristics(...)`` give a kernel whose launch
   (``kernel[grid](...)``) raises ``RuntimeError`` saying Triton is missing and what to do instead;
 - ``triton.Config`` is a plain record; ``triton.cdiv`` and ``triton.next_power_of_2`` are the real
-  arithmetic (launchers size grids with them before anything launches);
+  arithmetic (:func:`cdiv`, :func:`next_power_of_2`);
 - ``tl.constexpr(v)`` returns ``v``; any other ``tl.X`` (``tl.float32``, ``tl.int64``...) is a named
   placeholder that can be stored, compared and printed, but not called.
 
-:data:`INTERPRETER_AT_IMPORT` records ``TRITON_INTERPRET`` as it was when this module was first imported,
-which is when ``import smptk.kernels`` runs the ``@triton.jit`` decorators: Triton decides there, once,
-whether a kernel is interpreted or compiled, so the runtime can tell a later change of the variable
-(which Triton would not honour) from the state the kernels were built in.
+:data:`INTERPRETER_AT_IMPORT` records ``TRITON_INTERPRET`` as it was when triton was imported: Triton decides
+at each ``@triton.jit``, once, whether a function is interpreted or compiled, its own library functions
+(``tl.cdiv``...) when triton is imported and smptk's kernels when their module is. So the variable must be
+set before triton is imported, by smptk's first Triton-path call or by other code before it (torch's meta
+kernels import ``torch._dynamo``, which imports triton), and the runtime can tell a later change (which
+Triton would not honour) from the state the functions were built in. :func:`interpreter_at_import` reads it
+without importing anything (None while triton is not imported).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from smptk import settings
+
+if TYPE_CHECKING:  # resolved on first access by __getattr__ below
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON: bool
+    INTERPRETER_AT_IMPORT: bool
 
 MISSING_MESSAGE = (
     "triton is not installed: the Triton kernels cannot run here; use SMPTK_KERNELS=torch (the pure-PyTorch "
     "path, also what SMPTK_KERNELS=auto picks without Triton) or install triton"
 )
+
+
+def cdiv(x: int, y: int) -> int:
+    """``ceil(x / y)`` for positive ``y``, as ``triton.cdiv``."""
+    return (x + (y - 1)) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0), as ``triton.next_power_of_2``."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+# --- the lazy import ----------------------------------------------------------------------------------------
+
+_LAZY_NAMES = ("triton", "tl", "HAVE_TRITON", "INTERPRETER_AT_IMPORT")
+_load_lock = threading.Lock()
+
+
+def _load() -> None:
+    """Import triton (or make the stand-ins) and record ``TRITON_INTERPRET`` at its import; once."""
+    with _load_lock:
+        if "INTERPRETER_AT_IMPORT" in globals():
+            return
+        imported_before = "triton" in sys.modules  # by other code: torch._dynamo imports triton too
+        try:
+            import triton
+            import triton.language as tl
+
+            have = True
+        except ImportError:
+            triton = _MissingTriton()
+            tl = triton.language
+            have = False
+        globals().update(triton=triton, tl=tl, HAVE_TRITON=have)
+        interpreted = have and (_library_interpreted(tl) if imported_before else settings.triton_interpret())
+        globals()["INTERPRETER_AT_IMPORT"] = interpreted  # last: marks the load done
+
+
+def _library_interpreted(tl: Any) -> bool:
+    """Whether Triton's own ``@jit`` library functions (``tl.cdiv``, ``tl.sigmoid``...) were built for the
+    interpreter: Triton decides it for them when it is imported, as for every kernel when it is decorated.
+    Read from the function's type (``InterpretedFunction``), for a triton that other code imported first."""
+    return type(tl.cdiv).__name__ == "InterpretedFunction"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _findable() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a finder that refuses triton; a half-removed install
+        return False
+
+
+def available() -> bool:
+    """True when the ``triton`` package imports here; asks the import system where it is, without importing
+    it (after the import, whether it worked)."""
+    loaded = globals().get("HAVE_TRITON")
+    return _findable() if loaded is None else loaded
+
+
+def interpreter_at_import() -> bool | None:
+    """:data:`INTERPRETER_AT_IMPORT`; None while triton is not imported (then nothing is built yet). Imports
+    nothing: once other code has imported triton, this reads the state it was imported in."""
+    if "INTERPRETER_AT_IMPORT" not in globals():
+        if "triton" not in sys.modules:
+            return None
+        _load()
+    return globals()["INTERPRETER_AT_IMPORT"]
+
+
+class _KernelModule:
+    """A kernel module that is imported on first attribute access (see :func:`kernel_module`)."""
+
+    __slots__ = ("_module", "_name")
+
+    def __init__(self, name: str):
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):  # introspection (doctest, copy, inspect.unwrap) must not import triton
+            raise AttributeError(attr)
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+    def __repr__(self) -> str:
+        state = "imported" if self._module is not None else "not imported yet"
+        return f"<kernel module {self._name!r} ({state})>"
+
+
+def kernel_module(name: str) -> Any:
+    """A handle on the kernel module ``name`` (``"smptk.kernels._gemm"``) that imports it, and so triton, on
+    the first attribute access: ``_gemm = kernel_module("smptk.kernels._gemm")`` at the top of a host
+    module, then ``_gemm.matmul(...)`` on its Triton path."""
+    return _KernelModule(name)
+
+
+# --- stand-ins where triton is not installed ------------------------------------------------------------
 
 
 class _Unlaunchable:
@@ -95,16 +234,6 @@ class _Placeholder:
         return f"<{self._name}: triton is not installed>"
 
 
-def _cdiv(x: int, y: int) -> int:
-    """``ceil(x / y)`` for positive ``y``, as ``triton.cdiv``."""
-    return (x + (y - 1)) // y
-
-
-def _next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (0 for n <= 0), as ``triton.next_power_of_2``."""
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
 class _MissingModule:
     """Base of the ``triton`` / ``triton.language`` stand-ins: unknown attributes are placeholders."""
 
@@ -130,8 +259,8 @@ class _MissingTriton(_MissingModule):
     __version__ = None
     jit = staticmethod(_decorator)
     Config = _Config
-    cdiv = staticmethod(_cdiv)
-    next_power_of_2 = staticmethod(_next_power_of_2)
+    cdiv = staticmethod(cdiv)
+    next_power_of_2 = staticmethod(next_power_of_2)
 
     def __init__(self) -> None:
         super().__init__("triton")
@@ -146,16 +275,15 @@ class _MissingTriton(_MissingModule):
         return _Unlaunchable
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:
-    triton = _MissingTriton()
-    tl = triton.language
-    HAVE_TRITON = False
-
-INTERPRETER_AT_IMPORT = HAVE_TRITON and settings.triton_interpret()
-
-__all__ = ["HAVE_TRITON", "INTERPRETER_AT_IMPORT", "MISSING_MESSAGE", "tl", "triton"]
+__all__ = [
+    "HAVE_TRITON",
+    "INTERPRETER_AT_IMPORT",
+    "MISSING_MESSAGE",
+    "available",
+    "cdiv",
+    "interpreter_at_import",
+    "kernel_module",
+    "next_power_of_2",
+    "tl",
+    "triton",
+]

@@ -36,7 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from smptk.kernels import _gemm, runtime
+from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
     autocast_inputs,
@@ -46,7 +46,12 @@ from smptk.kernels._checks import (
     check_same,
     check_weight,
 )
-from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_backward
+from smptk.kernels._triton import kernel_module
+
+# The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
+# smptk.kernels._triton.
+_gemm = kernel_module("smptk.kernels._gemm")
+_epilogue = kernel_module("smptk.kernels._epilogue")
 
 
 def fused_linear_fwd(
@@ -70,7 +75,7 @@ def fused_linear_bwd(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Triton backward: ``(dx [M, K], dw [N, K], dbias [N])``, each None unless ``needs`` asks for it."""
     need_dx, need_dw, need_db = needs
-    dz, db = activation_backward(dy_MN, z_MN, activation, need_db, w_NK.dtype)
+    dz, db = _epilogue.activation_backward(dy_MN, z_MN, activation, need_db, w_NK.dtype)
     dx = dw = None
     if need_dx:
         dx = new_buffer(x_MK.shape, x_MK.dtype, x_MK.device)
@@ -92,7 +97,7 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MK, w_NK, bias_N, activation: int):
-        save_z = activation != ACT_NONE and any(ctx.needs_input_grad[:3])
+        save_z = activation != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
         y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z)
         ctx.save_for_backward(x_MK, w_NK, z)
         ctx.activation = activation
@@ -164,5 +169,5 @@ def fused_linear(
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the epilogue reads bias as a contiguous [N] vector
-    y = FusedLinearFunction.apply(x_MK, weight, bias, ACTIVATION_CODES[activation])
+    y = FusedLinearFunction.apply(x_MK, weight, bias, _epilogue.ACTIVATION_CODES[activation])
     return y.view(*lead, weight.shape[0])

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from smptk import settings
-from smptk.kernels import _gemm, runtime
+from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
     autocast_inputs,
@@ -72,7 +72,12 @@ from smptk.kernels._checks import (
     check_input,
     check_same,
 )
-from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_backward, swiglu_dh
+from smptk.kernels._triton import kernel_module
+
+# The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
+# smptk.kernels._triton.
+_gemm = kernel_module("smptk.kernels._gemm")
+_epilogue = kernel_module("smptk.kernels._epilogue")
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -81,7 +86,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, w_ENK, offsets, bias_EN, activation: int):
         T, N = x_TK.shape[0], w_ENK.shape[1]
-        save_z = activation != ACT_NONE and any(ctx.needs_input_grad[:4])
+        save_z = activation != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:4])
         y = new_buffer((T, N), x_TK.dtype, x_TK.device)
         z = new_buffer((T, N), x_TK.dtype, x_TK.device) if save_z else None
         _gemm.grouped_matmul(
@@ -95,7 +100,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy_TN):
         x_TK, w_ENK, offsets, z = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
-        dz, _ = activation_backward(dy_TN, z, ctx.activation, False, w_ENK.dtype)
+        dz, _ = _epilogue.activation_backward(dy_TN, z, ctx.activation, False, w_ENK.dtype)
         dx = dw = db = None
         if need_dx:
             dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
@@ -130,7 +135,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         x_TK, wg_ENK, wu_ENK, offsets, h = ctx.saved_tensors
         need_dx, need_dwg, need_dwu = ctx.needs_input_grad[:3]
         N = wg_ENK.shape[1]
-        dh = swiglu_dh(dy_TN, h)
+        dh = _epilogue.swiglu_dh(dy_TN, h)
         dx = dwg = dwu = None
         if need_dx:
             dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
@@ -269,7 +274,7 @@ def grouped_linear(
         )
     if bias is not None and bias.stride(1) != 1:
         bias = bias.contiguous()  # the epilogue reads bias rows as contiguous [N] vectors
-    return GroupedLinearFunction.apply(x, weight, offsets, bias, ACTIVATION_CODES[activation])
+    return GroupedLinearFunction.apply(x, weight, offsets, bias, _epilogue.ACTIVATION_CODES[activation])
 
 
 def grouped_swiglu(

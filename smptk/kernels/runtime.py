@@ -12,17 +12,20 @@ One exception: Triton's interpreter computes ``tl.dot`` on bfloat16 inputs wrong
 results off by orders of magnitude), so bf16 CPU tensors take the PyTorch path under ``auto`` and are an
 error under ``triton``; bf16 runs on Triton on CUDA.
 
-``TRITON_INTERPRET`` itself is read by Triton when a kernel module is imported, so set it before
-``import smptk.kernels``. Setting it afterwards cannot turn compiled kernels into interpreted ones, so a
-CPU call that would take the Triton path then raises ``RuntimeError`` saying so, instead of Triton's
-"0 active drivers" crash; the state at import is :data:`smptk.kernels._triton.INTERPRETER_AT_IMPORT`.
+``TRITON_INTERPRET`` itself is read by Triton when triton is imported and when a kernel module is, which
+smptk does on the first call that takes the Triton path (:mod:`smptk.kernels._triton`: ``import
+smptk.kernels`` imports no triton; other code may import it earlier), so set it before triton is imported.
+Setting it afterwards cannot turn compiled kernels into interpreted ones, so a CPU call that would take the
+Triton path then raises ``RuntimeError`` saying so, instead of Triton's "0 active drivers" crash; the
+state at triton's import is :func:`interpreter_at_import`.
 
 Tensors on the ``meta`` device (shape propagation, delayed initialization) always take the PyTorch path,
 under ``SMPTK_KERNELS=triton`` too: there is nothing to compute, only shapes to propagate, and a process
 that forces Triton for training must still be able to build and trace its model on meta.
 
-Without Triton installed (:data:`smptk.kernels._triton.HAVE_TRITON` false) every call takes the PyTorch
-path under ``auto`` and is an error under ``triton``.
+Without Triton installed (:func:`triton_available` false) every call takes the PyTorch path under ``auto``
+and is an error under ``triton``. Nothing here imports triton: availability is a look-up in the import
+system, so choosing the PyTorch path never loads it.
 
 Example::
 
@@ -47,14 +50,16 @@ def interpreter_enabled() -> bool:
     return settings.triton_interpret()
 
 
-def interpreter_at_import() -> bool:
-    """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET`` at kernel import)."""
-    return _triton.INTERPRETER_AT_IMPORT
+def interpreter_at_import() -> bool | None:
+    """Whether the kernels are built for Triton's interpreter (``TRITON_INTERPRET`` when triton was imported);
+    None while triton is not imported, so the next Triton-path call builds them as the variable is then."""
+    return _triton.interpreter_at_import()
 
 
 def triton_available() -> bool:
-    """True when the ``triton`` package imports (it does on Linux; elsewhere only the torch path runs)."""
-    return _triton.HAVE_TRITON
+    """True when the ``triton`` package imports (it does on Linux; elsewhere only the torch path runs).
+    Does not import it."""
+    return _triton.available()
 
 
 def requested_path() -> str:
@@ -62,13 +67,19 @@ def requested_path() -> str:
     return settings.kernels()
 
 
+def _interpreter_set_too_late() -> bool:
+    """``TRITON_INTERPRET`` is on now, but triton was imported without it: its functions are compiled."""
+    return interpreter_enabled() and interpreter_at_import() is False
+
+
 def _check_interpreter_unchanged() -> None:
     """Raise when ``TRITON_INTERPRET`` was switched on after the kernels were compiled for a GPU."""
-    if interpreter_enabled() and not interpreter_at_import():
+    if _interpreter_set_too_late():
         raise RuntimeError(
-            "TRITON_INTERPRET is set now but was not when smptk.kernels was imported, so its kernels are "
-            "compiled for a GPU and cannot run on CPU tensors; set TRITON_INTERPRET=1 before importing "
-            "smptk.kernels (or use SMPTK_KERNELS=torch)"
+            "TRITON_INTERPRET is set now but was not when triton was imported (by smptk's first Triton-path "
+            "call, or before it by other code: torch's meta kernels import it too), so Triton's functions "
+            "are compiled for a GPU and cannot run on CPU tensors; set TRITON_INTERPRET=1 before triton is "
+            "imported, e.g. first thing in the process (or use SMPTK_KERNELS=torch)"
         )
 
 
@@ -89,7 +100,7 @@ def select_path(*tensors: torch.Tensor) -> str:
     """Return "triton" or "torch" for a call whose tensor arguments are ``tensors``.
 
     Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on, and
-    for CPU tensors when ``TRITON_INTERPRET`` was switched on after ``import smptk.kernels``. Meta tensors
+    for CPU tensors when ``TRITON_INTERPRET`` was switched on after triton was imported. Meta tensors
     get "torch" whatever ``SMPTK_KERNELS`` says (see the module docstring).
     """
     requested = requested_path()
@@ -111,8 +122,8 @@ def describe() -> dict[str, str]:
     for dev in ("cpu", "cuda"):
         if requested == "torch":
             out[dev] = "torch"
-        elif dev == "cpu" and triton_available() and interpreter_enabled() and not interpreter_at_import():
-            out[dev] = "error: TRITON_INTERPRET was set after smptk.kernels was imported"
+        elif dev == "cpu" and triton_available() and _interpreter_set_too_late():
+            out[dev] = "error: TRITON_INTERPRET was set after triton was imported"
         elif _triton_blocker(torch.device(dev)) is None:
             if not interpreter_enabled():
                 out[dev] = "triton"

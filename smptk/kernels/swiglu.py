@@ -32,10 +32,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from smptk.kernels import _gemm, runtime
+from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import autocast_inputs, check_input, check_weight
-from smptk.kernels._epilogue import swiglu_dh
+from smptk.kernels._triton import kernel_module
+
+# The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
+# smptk.kernels._triton.
+_gemm = kernel_module("smptk.kernels._gemm")
+_epilogue = kernel_module("smptk.kernels._epilogue")
 
 
 def swiglu_fwd(
@@ -60,7 +65,7 @@ def swiglu_bwd(
     """Triton backward: ``(dx, dw_gate, dw_up)``, each None unless ``needs`` asks for it."""
     need_dx, need_dwg, need_dwu = needs
     M, N = dy_MN.shape
-    dh = swiglu_dh(dy_MN, h_M2N)
+    dh = _epilogue.swiglu_dh(dy_MN, h_M2N)
     dx = dwg = dwu = None
     if need_dx:
         dx = new_buffer(x_MK.shape, x_MK.dtype, x_MK.device)
