@@ -365,7 +365,8 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "comm.gemm_slowdown",
         3,
-        "GEMM slowdown beside a k-SM smptk collective over its bound 1 + 1.2 k / SMs (every case: worst)",
+        "GEMM slowdown beside a k-SM smptk collective over its bound 1 + 1.2 k / SMs (copy engine, k = 0: "
+        "1.03; every case: worst)",
         {"suite": ("comm_interference", "comm_dist_interference"), "impl": "smptk"},
         SLOWDOWN_OVER_BOUND,
         "<=",

@@ -31,7 +31,7 @@ def _train(model: torch.nn.Module, rank: int) -> None:
 class _PathCounter:
     """Counts the calls of smptk.comm collectives that took the symmetric path."""
 
-    def __init__(self, names: tuple[str, ...]):
+    def __init__(self, names: tuple[str, ...], paths: tuple[str, ...] = ("symmetric",)):
         import smptk.comm as comm
         import smptk.comm.adapters as adapters
 
@@ -41,7 +41,7 @@ class _PathCounter:
 
             def wrapped(*args, _original=original, **kwargs):
                 out = _original(*args, **kwargs)
-                self.count += comm.last_path() == "symmetric"
+                self.count += comm.last_path() in paths
                 return out
 
             setattr(adapters, name, wrapped)
@@ -63,14 +63,18 @@ def ddp(rank: int, world: int) -> dict[str, float]:
     return {"max_diff": diff, "symmetric_calls": counter.count}
 
 
-def fsdp2(rank: int, world: int) -> dict[str, float]:
+def fsdp2(rank: int, world: int, all_gather_sms: int | None = None) -> dict[str, float]:
+    """``all_gather_sms=0``: the all-gathers take the copy-engine path, and only those are counted."""
     from torch.distributed.fsdp import fully_shard
 
     import smptk.comm as comm
     from smptk.comm.adapters import SmptkAllGather, SmptkReduceScatter
 
     comm.configure(heap_bytes=4096, timeout_s=60, max_sms=2)
-    counter = _PathCounter(("all_gather_into_tensor", "reduce_scatter_tensor"))
+    if all_gather_sms == 0:
+        counter = _PathCounter(("all_gather_into_tensor",), paths=("copy_engine",))
+    else:
+        counter = _PathCounter(("all_gather_into_tensor", "reduce_scatter_tensor"))
     models = [_model(), _model()]
     for model in models:
         for layer in model:
@@ -79,7 +83,7 @@ def fsdp2(rank: int, world: int) -> dict[str, float]:
         fully_shard(model)
     for module in [*models[1], models[1]]:
         if hasattr(module, "set_custom_all_gather"):
-            module.set_custom_all_gather(SmptkAllGather())
+            module.set_custom_all_gather(SmptkAllGather(max_sms=all_gather_sms))
             module.set_custom_reduce_scatter(SmptkReduceScatter())
     for model in models:
         _train(model, rank)
@@ -88,3 +92,7 @@ def fsdp2(rank: int, world: int) -> dict[str, float]:
         for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True)
     )
     return {"max_diff": diff, "symmetric_calls": counter.count}
+
+
+def fsdp2_copy_engine(rank: int, world: int) -> dict[str, float]:
+    return fsdp2(rank, world, all_gather_sms=0)

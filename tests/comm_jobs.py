@@ -152,15 +152,15 @@ def case_reduce_scatter_shape(
     c.guards("result", buf, GUARD, out.numel())
 
 
-def case_all_gather(c: Case, world: int, rank: int, *, dtype: str) -> None:
+def case_all_gather(c: Case, world: int, rank: int, *, dtype: str, algorithm: str = "auto") -> None:
     dt = DTYPES[dtype]
     for n in all_gather_sizes(dt):
         x = sample("normal", dt, (n,), seeded_gen(c.cid, n, rank))
         expected = torch.empty(world * n, dtype=dt)
         dist_all_gather(expected, x)
         buf, out = poisoned((world * n,), dt)
-        returned = comm.all_gather_into_tensor(out, x)
-        c.path(f"n={n}", "symmetric")
+        returned = comm.all_gather_into_tensor(out, x, algorithm=algorithm)
+        c.path(f"n={n}", "copy_engine" if algorithm == "copy_engine" else "symmetric")
         c.same(f"n={n}", returned, out)
         c.equal(f"n={n}", out, expected)
         c.guards(f"n={n}", buf, GUARD, world * n)
@@ -199,8 +199,19 @@ def split_matrix(pattern: str, world: int, dtype: torch.dtype, row: int) -> list
 
 
 def case_all_to_all(
-    c: Case, world: int, rank: int, *, pattern: str, dtype: str, row_shape: tuple, max_sms: int | None = None
+    c: Case,
+    world: int,
+    rank: int,
+    *,
+    pattern: str,
+    dtype: str,
+    row_shape: tuple,
+    max_sms: int | None = None,
+    algorithm: str = "auto",
+    splits: str = "lists",
 ) -> None:
+    """``splits``: "lists"; "tensors" (1-D int64 tensors); "agreed" (lists plus ``agreed_max_split``, the
+    largest entry of the split matrix every rank knows here, so no split exchange runs)."""
     dt = DTYPES[dtype]
     row = math.prod(row_shape)
     S = split_matrix(pattern, world, dt, row)
@@ -210,8 +221,14 @@ def case_all_to_all(
     expected = torch.empty((sum(recv), *row_shape), dtype=dt)
     dist.all_to_all_single(expected, x, recv, send)
     buf, out = poisoned((sum(recv), *row_shape), dt)
-    returned = comm.all_to_all_single(out, x, recv, send, max_sms=max_sms)
-    c.path(f"send {send} recv {recv}", "symmetric")
+    kwargs: dict = {"max_sms": max_sms, "algorithm": algorithm}
+    if splits == "agreed":
+        kwargs["agreed_max_split"] = max(max(r) for r in S)
+    if splits == "tensors":
+        returned = comm.all_to_all_single(out, x, torch.tensor(recv), torch.tensor(send), **kwargs)
+    else:
+        returned = comm.all_to_all_single(out, x, recv, send, **kwargs)
+    c.path(f"send {send} recv {recv}", "copy_engine" if algorithm == "copy_engine" else "symmetric")
     c.same("result", returned, out)
     c.equal(f"send {send} recv {recv}", out, expected)
     c.guards("result", buf, GUARD, out.numel())
@@ -232,6 +249,36 @@ def case_all_to_all_equal(
     c.path("call", "symmetric")
     c.equal("result", out, expected)
     c.guards("result", buf, GUARD, out.numel())
+
+
+def case_split_mismatch(c: Case, world: int, rank: int, *, algorithm: str) -> None:
+    """Rank W-1 expects one row more from rank 0 and one fewer from rank 1 than they send (its total
+    right): every rank raises CommMismatchError naming the pairs, and the group stays usable."""
+    send = [2] * world
+    recv = [2] * world
+    if rank == world - 1:
+        recv[0], recv[1] = 3, 1
+    x = torch.randn(sum(send), 3, generator=seeded_gen(c.cid, rank))
+    out = torch.empty(sum(recv), 3)
+    expected = [0, 1, world - 1] if world > 2 else [0, 1]
+    try:
+        comm.all_to_all_single(out, x, recv, send, algorithm=algorithm)
+        c.fail("the call with disagreeing splits returned")
+    except comm.CommMismatchError as e:
+        if e.ranks != expected:
+            c.fail(f"ranks = {e.ranks}, expected {expected} (message: {e})")
+        for q in (0, 1):
+            pair = f"rank {q} sends 6 elements to rank {world - 1}, which expects {9 if q == 0 else 3}"
+            if pair not in str(e):
+                c.fail(f"message does not name the pair ({pair!r}): {e}")
+    except Exception as e:
+        c.fail(f"raised {type(e).__name__} instead of CommMismatchError: {e}")
+    expected_out = torch.empty(2 * world, 3)
+    dist.all_to_all_single(expected_out, x)
+    out = torch.empty(2 * world, 3)
+    comm.all_to_all_single(out, x, algorithm=algorithm)
+    c.path("the next call", "copy_engine" if algorithm == "copy_engine" else "symmetric")
+    c.equal("the next call", out, expected_out)
 
 
 def case_interleaved(c: Case, world: int, rank: int, *, iterations: int) -> None:
@@ -303,6 +350,10 @@ def case_fallback(c: Case, world: int, rank: int, *, which: str) -> None:
         comm.all_to_all_single(out, xa)
         c.path("all_to_all", gloo)
         c.equal("all_to_all", out, expected)
+        out = torch.empty_like(xa)
+        comm.all_to_all_single(out, xa, torch.full((world,), 2), torch.full((world,), 2))
+        c.path("all_to_all, splits as tensors", gloo)
+        c.equal("all_to_all, splits as tensors", out, expected)
     elif which == "int32_avg":
         # Values of both signs, so the rounding of a non-integer average shows: floor (floor_divide).
         x = torch.randint(-1000, 1000, (23,), generator=seeded_gen(c.cid, rank), dtype=torch.int32)
@@ -682,8 +733,8 @@ def catalog(world: int) -> list[Spec]:
     """Every case of a W-rank job, in the order the ranks run them (the ids are the pytest ids)."""
     specs: list[Spec] = []
 
-    def add(cid: str, fn: Callable[..., None], **kwargs) -> None:
-        specs.append(Spec(cid, fn, kwargs))
+    def add(cid: str, case: Callable[..., None], **kwargs) -> None:
+        specs.append(Spec(cid, case, kwargs))
 
     for name, *_ in bad_inputs(world):
         add(f"bad_input-{name}", case_bad_input, name=name)
@@ -710,6 +761,8 @@ def catalog(world: int) -> list[Spec]:
     add("reduce_scatter-max_sms3", case_reduce_scatter_shape, out_shape=(301,), max_sms=3)
     for dtype in DTYPES:
         add(f"all_gather-{dtype}", case_all_gather, dtype=dtype)
+    for dtype in ("bfloat16", "int32"):
+        add(f"all_gather-copy_engine-{dtype}", case_all_gather, dtype=dtype, algorithm="copy_engine")
     add("all_gather-7x3", case_all_gather_shape, in_shape=(7, 3))
     add("all_gather-stacked-7x3", case_all_gather_shape, in_shape=(7, 3), stacked=True)
     add("all_gather-max_sms5", case_all_gather_shape, in_shape=(1001,), max_sms=5)
@@ -723,6 +776,20 @@ def catalog(world: int) -> list[Spec]:
                 row_shape=row_shape,
             )
     add("all_to_all-empty-float32", case_all_to_all, pattern="empty", dtype="float32", row_shape=(4,))
+    for pattern, row_shape in (("uneven", (3, 2)), ("beyond_heap", (5,))):
+        add(
+            f"all_to_all-{pattern}-copy_engine",
+            case_all_to_all,
+            pattern=pattern,
+            dtype="bfloat16",
+            row_shape=row_shape,
+            algorithm="copy_engine",
+        )
+    a2a = {"case": case_all_to_all, "dtype": "float32"}
+    add("all_to_all-uneven-tensor-splits", **a2a, pattern="uneven", row_shape=(2,), splits="tensors")
+    add("all_to_all-beyond_heap-agreed", **a2a, pattern="beyond_heap", row_shape=(5,), splits="agreed")
+    for alg in ("kernel", "copy_engine"):
+        add(f"split_mismatch-{alg}", case_split_mismatch, algorithm=alg)
     add(
         "all_to_all-uneven-max_sms3",
         case_all_to_all,

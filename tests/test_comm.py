@@ -104,6 +104,13 @@ def test_all_to_all_matches_gloo(world: int, cid: str) -> None:
     assert_case(world, cid)
 
 
+@pytest.mark.parametrize(("world", "cid"), cases("split_mismatch"))
+def test_all_to_all_splits_that_disagree_raise_on_every_rank(world: int, cid: str) -> None:
+    """Send and receive splits that disagree between ranks (same totals): CommMismatchError on every rank,
+    naming each pair and its sizes (kernel and copy-engine paths); the next call works."""
+    assert_case(world, cid)
+
+
 @pytest.mark.parametrize(("world", "cid"), cases("interleaved"))
 def test_interleaved_calls_reuse_signal_pads(world: int, cid: str) -> None:
     assert_case(world, cid)

@@ -203,6 +203,14 @@ def test_copies_every_dtype(kind: str, dtype: torch.dtype) -> None:
     run_and_check(kind, world=3, n=7, max_sms=3, dtype=dtype, seed=11)
 
 
+@pytest.mark.parametrize("rank", (0, 2))
+@pytest.mark.parametrize("n", (1, 7, 1000))
+@pytest.mark.parametrize("kind", ("all_gather", "all_to_all"))
+def test_copy_engine_moves_the_same_bytes(kind: str, n: int, rank: int) -> None:
+    """max_sms=0 (tensor copies, no kernel): the output and own region the kernel path gives."""
+    run_and_check(kind, world=3, n=n, max_sms=0, dtype=torch.bfloat16, rank=rank, seed=n + rank)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("rank", (1, 3))
 @pytest.mark.parametrize("kind", KINDS)

@@ -95,7 +95,11 @@ class _SmptkComm:
 
 
 class SmptkAllGather(_SmptkComm, _AllGatherBase):
-    """FSDP2 all-gather through :func:`smptk.comm.all_gather_into_tensor` (``set_custom_all_gather``)."""
+    """FSDP2 all-gather through :func:`smptk.comm.all_gather_into_tensor` (``set_custom_all_gather``).
+
+    ``max_sms=0`` takes the copy-engine algorithm: no SM moves the parameters (two one-program signal
+    kernels order the copies), so the all-gather does not take SMs from the compute it overlaps.
+    """
 
     def __call__(
         self,
@@ -104,7 +108,10 @@ class SmptkAllGather(_SmptkComm, _AllGatherBase):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        all_gather_into_tensor(output_tensor, input_tensor, group, max_sms=self.max_sms)
+        if self.max_sms == 0:
+            all_gather_into_tensor(output_tensor, input_tensor, group, algorithm="copy_engine")
+        else:
+            all_gather_into_tensor(output_tensor, input_tensor, group, max_sms=self.max_sms)
         return None  # done in stream order on FSDP's all-gather stream: nothing to wait on
 
 

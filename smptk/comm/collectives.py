@@ -47,6 +47,10 @@ _TORCH_OPS = {
 }
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
 ALGORITHMS = ("auto", "one_shot", "two_shot")
+# all_gather_into_tensor / all_to_all_single: "kernel" moves the data with max_sms programs of ours;
+# "copy_engine" with stream-ordered tensor copies of the peers' heap regions (the GPU's copy engines on
+# CUDA: no SM moves data) between two one-program signal kernels. "auto" is "kernel".
+COPY_ALGORITHMS = ("auto", "kernel", "copy_engine")
 # all_reduce "auto": one-shot (each rank reads all W buffers: lowest latency) up to this size, two-shot
 # (reduce-scatter + all-gather: each rank reads ~2 buffers' worth) above. Untuned; no GPU run yet.
 ONE_SHOT_MAX_BYTES = 256 * 1024
@@ -254,6 +258,8 @@ def _acc_type(dtype: torch.dtype):
 # programs (9 bits, from bit 9). With the numel and chunk words it is what ranks compare (see K._verify).
 _KIND_CODES = {"all_reduce_one_shot": 1, "all_reduce_two_shot": 2, "all_gather": 3, "reduce_scatter": 4}
 _KIND_CODES["all_to_all"] = 5
+_KIND_CODES["all_gather_ce"] = 6  # the signals of the copy-engine all-gather
+_KIND_CODES["all_to_all_ce"] = 7  # and all-to-all
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}
 _TAG_MARK = 1 << 62
 
@@ -457,16 +463,22 @@ def all_gather_into_tensor(
     group: dist.ProcessGroup | None = None,
     *,
     max_sms: int | None = None,
+    algorithm: str = "auto",
 ) -> torch.Tensor:
     """Gather every rank's ``input`` into ``output`` (``world * input.numel()`` elements, rank order).
 
     Same semantics as ``dist.all_gather_into_tensor``: ``output`` may be ``[world * d0, ...]`` or
     ``[world, *input.shape]``; only the element count and dtype must match. Returns ``output``.
 
+    ``algorithm``: "kernel" (``max_sms`` programs move the data), "copy_engine" (no SM moves data: each
+    rank copies its input into its heap region, and after a one-program signal kernel copies every
+    peer's region into ``output`` with tensor copies, the copy engines on CUDA; a second signal keeps
+    the regions until every rank has read them; ``max_sms`` is unused) or "auto" ("kernel").
+
     Example::
 
         >>> out = torch.empty(dist.get_world_size() * 3)
-        >>> all_gather_into_tensor(out, torch.full((3,), float(dist.get_rank())))
+        >>> all_gather_into_tensor(out, torch.full((3,), float(dist.get_rank())), algorithm="copy_engine")
     """
     g = _group(group)
     _check_tensor("output", output)
@@ -479,6 +491,7 @@ def all_gather_into_tensor(
             f"got {output.numel()} (shape {tuple(output.shape)})"
         )
     programs = _max_sms(max_sms)
+    copy_engine = _copy_algorithm(algorithm)
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype):
         dist.all_gather_into_tensor(output, input, group=g)
@@ -487,6 +500,9 @@ def all_gather_into_tensor(
     src, dst = input.view(-1), output.view(-1)
     n_total = src.numel()
     chunk = _heap_elems(heap, input.dtype)
+    if copy_engine:
+        _all_gather_copy_engine(heap, src, dst, chunk)
+        return output
     for c0 in range(0, max(n_total, 1), chunk):
         n = min(chunk, n_total - c0)
         _launch(
@@ -505,6 +521,40 @@ def all_gather_into_tensor(
             call=_Call("all_gather", input.dtype, -1, n_total, n),
         )
     return output
+
+
+def _copy_algorithm(algorithm: str) -> bool:
+    """Whether ``algorithm`` (one of :data:`COPY_ALGORITHMS`) asks for the copy-engine path."""
+    if algorithm not in COPY_ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {COPY_ALGORITHMS}, got {algorithm!r}")
+    return algorithm == "copy_engine"
+
+
+def _signal(heap: SymmetricHeap, call: _Call) -> None:
+    """One barrier of every rank's one-program signal kernel, with the cross-rank call check."""
+    _launch(heap, K._signal_kernel, 1, heap.data_ptrs, heap.signal_ptrs, heap.status, heap.rank,
+            heap.world_size, call=call)  # fmt: skip
+
+
+def _all_gather_copy_engine(heap: SymmetricHeap, src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
+    """all_gather with tensor copies: stage, signal, copy every peer's region, signal (per heap chunk).
+
+    The copies run on the caller's stream, ordered with the signal kernels; on CUDA a copy between
+    device buffers (peer mappings included) is a copy-engine transfer, not a kernel of ours.
+    """
+    global _last_path
+    n_total, world = src.numel(), heap.world_size
+    for c0 in range(0, max(n_total, 1), chunk):
+        n = min(chunk, n_total - c0)
+        call = _Call("all_gather_ce", src.dtype, -1, n_total, n)
+        heap.peer_data(heap.rank, src.dtype, n).copy_(src[c0 : c0 + n])
+        _signal(
+            heap, call
+        )  # every rank's slice is staged (a failed signal raises here on CPU, at check() on CUDA)
+        for q in range(world):
+            dst[q * n_total + c0 : q * n_total + c0 + n].copy_(heap.peer_data(q, src.dtype, n))
+        _signal(heap, call)  # every rank has read: the regions may be staged again
+    _last_path = "copy_engine"
 
 
 def reduce_scatter_tensor(
@@ -576,13 +626,22 @@ def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g:
     _fallback(g)
 
 
-def _splits(name: str, sizes: Sequence[int] | None, tensor: torch.Tensor, world: int) -> list[int]:
+def _splits(
+    name: str, sizes: Sequence[int] | torch.Tensor | None, tensor: torch.Tensor, world: int
+) -> list[int]:
+    """Row counts per rank from a list, a 1-D integer tensor (read on the host) or None (equal split)."""
     rows = tensor.shape[0] if tensor.dim() else 1
     if sizes is None:
         if rows % world:
             raise ValueError(f"{name}: None needs dim 0 ({rows}) divisible by the world size {world}")
         return [rows // world] * world
-    sizes = [int(s) for s in sizes]
+    if isinstance(sizes, torch.Tensor):
+        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex():
+            raise ValueError(
+                f"{name}: a tensor of split sizes must be 1-D integer, got {sizes.dtype} {tuple(sizes.shape)}"
+            )
+        sizes = sizes.tolist()
+    sizes = [_as_int(name, s) for s in sizes]
     if len(sizes) != world or any(s < 0 for s in sizes):
         raise ValueError(f"{name}: expected {world} non-negative sizes, got {sizes}")
     if sum(sizes) != rows:
@@ -590,28 +649,60 @@ def _splits(name: str, sizes: Sequence[int] | None, tensor: torch.Tensor, world:
     return sizes
 
 
-def _window(lengths: list[int], starts: list[int], lo: int, slot: int, dev: torch.device):
+def _exchange_splits(g: dist.ProcessGroup, in_len: list[int], out_len: list[int], dev: torch.device) -> int:
+    """Check every rank's send sizes against its receivers' expectations; return the largest of them.
+
+    One all-gather of each rank's ``[send to 0..W-1, expect from 0..W-1]`` element counts and one host
+    read. Every rank sees the whole matrix, so on a disagreement every rank raises the same
+    :class:`CommMismatchError`, naming each pair.
+    """
+    world = len(in_len)
+    mine = torch.tensor(in_len + out_len, dtype=torch.int64, device=dev)
+    every = torch.empty(world * 2 * world, dtype=torch.int64, device=dev)
+    all_gather_into_tensor(every.view(torch.int32), mine.view(torch.int32), group=g, max_sms=1)
+    table = every.view(world, 2, world).tolist()  # [rank][0: sends to d, 1: expects from q]
+    bad = [(q, d, table[q][0][d], table[d][1][q]) for q in range(world) for d in range(world)
+           if table[q][0][d] != table[d][1][q]]  # fmt: skip
+    if bad:
+        pairs = "; ".join(f"rank {q} sends {s} elements to rank {d}, which expects {e}" for q, d, s, e in bad)
+        raise CommMismatchError(
+            f"rank {dist.get_rank(g)}: all_to_all_single split sizes disagree between ranks: {pairs} "
+            "(input_split_sizes[d] on rank q must equal output_split_sizes[q] on rank d, in elements)",
+            sorted({q for q, d, _, _ in bad} | {d for q, d, _, _ in bad}),
+        )
+    return max(max(row[0]) for row in table)
+
+
+def _window(lengths: list[int], starts: list[int], lo: int, slot: int) -> tuple[list[int], list[int]]:
     """This round's (offsets, sizes) per peer: elements [lo, lo + slot) of each peer's segment."""
     sizes = [min(max(n - lo, 0), slot) for n in lengths]
     offs = [s + lo if z else 0 for s, z in zip(starts, sizes, strict=True)]
-    return torch.tensor(offs, dtype=torch.int64, device=dev), torch.tensor(
-        sizes, dtype=torch.int64, device=dev
-    )
+    return offs, sizes
 
 
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
-    output_split_sizes: Sequence[int] | None = None,
-    input_split_sizes: Sequence[int] | None = None,
+    output_split_sizes: Sequence[int] | torch.Tensor | None = None,
+    input_split_sizes: Sequence[int] | torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
     *,
     max_sms: int | None = None,
+    algorithm: str = "auto",
+    agreed_max_split: int | None = None,
 ) -> torch.Tensor:
     """Rank r sends rows ``input_split_sizes[d]`` of ``input`` to rank d and receives into ``output``.
 
-    Same semantics as ``dist.all_to_all_single`` (splits along dim 0; None means equal splits; the
-    sizes rank r passes must match what its peers send it). Returns ``output``.
+    Same semantics as ``dist.all_to_all_single`` (splits along dim 0, as lists or 1-D integer tensors;
+    None means equal splits). Every rank's ``input_split_sizes[d]`` must equal rank d's
+    ``output_split_sizes[r]``: the call exchanges the sizes (one small all-gather and one host read) and
+    on any disagreement every rank raises :class:`CommMismatchError` naming the pairs.
+
+    ``agreed_max_split``: the largest split, in rows, that any rank sends in this call, when every rank
+    already knows it (e.g. from a count matrix all ranks hold) and passes the same value. The call then
+    skips the exchange and its host read, and trusts the splits. ``algorithm``: "kernel", "copy_engine"
+    (tensor copies of the peers' heap regions between one-program signal kernels; see
+    :func:`all_gather_into_tensor`) or "auto" ("kernel"). Returns ``output``.
 
     Example::
 
@@ -631,10 +722,18 @@ def all_to_all_single(
         raise ValueError(
             f"output: rows of shape {tuple(output.shape[1:])} but input rows are {tuple(input.shape[1:])}"
         )
+    if agreed_max_split is not None:
+        agreed_max_split = _as_int("agreed_max_split", agreed_max_split)
+        if agreed_max_split < max(in_rows + out_rows):
+            raise ValueError(
+                f"agreed_max_split: {agreed_max_split} rows, but this rank's splits reach "
+                f"{max(in_rows + out_rows)}"
+            )
     programs = _max_sms(max_sms)
+    copy_engine = _copy_algorithm(algorithm)
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype):
-        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=g)
+        dist.all_to_all_single(output, input, out_rows, in_rows, group=g)
         _fallback(g)
         return output
     # Splits count rows of each tensor; a row's element count may differ between input and output (a
@@ -646,25 +745,30 @@ def all_to_all_single(
     slot = _heap_elems(heap, input.dtype) // world
     if slot == 0:
         raise CommError(f"heap_bytes={heap.heap_bytes} is too small for {world} ranks")
-    rounds = torch.tensor([max(-(-max(in_len + out_len) // slot), 1)], dtype=torch.int32, device=input.device)
-    all_reduce(rounds, op="max", group=g, max_sms=1)  # every rank runs the same number of rounds
-    dev = input.device
+    if agreed_max_split is None:
+        peak = _exchange_splits(g, in_len, out_len, input.device)
+    else:
+        peak = agreed_max_split * max(row_in, row_out)
+    n_rounds = max(-(-peak // slot), 1)  # the same on every rank: ranks launch the same calls
     src, dst = input.view(-1), output.view(-1)
-    n_rounds = int(rounds.item())
+    if copy_engine:
+        _all_to_all_copy_engine(heap, src, dst, (in_len, in_start), (out_len, out_start), slot, n_rounds)
+        return output
+    dev = input.device
     for c in range(n_rounds):
-        lo = c * slot
-        in_off, in_n = _window(in_len, in_start, lo, slot, dev)
-        out_off, out_n = _window(out_len, out_start, lo, slot, dev)
+        in_off, in_n = _window(in_len, in_start, c * slot, slot)
+        out_off, out_n = _window(out_len, out_start, c * slot, slot)
+        windows = torch.tensor([in_off, in_n, out_off, out_n], dtype=torch.int64).to(dev, non_blocking=True)
         _launch(
             heap,
             K._all_to_all_kernel,
             programs,
             src,
             dst,
-            in_off,
-            in_n,
-            out_off,
-            out_n,
+            windows[0],
+            windows[1],
+            windows[2],
+            windows[3],
             heap.data_ptrs,
             heap.signal_ptrs,
             heap.status,
@@ -674,3 +778,31 @@ def all_to_all_single(
             call=_Call("all_to_all", input.dtype, -1, n_rounds, slot),
         )
     return output
+
+
+def _all_to_all_copy_engine(
+    heap: SymmetricHeap,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    sends: tuple[list[int], list[int]],
+    recvs: tuple[list[int], list[int]],
+    slot: int,
+    n_rounds: int,
+) -> None:
+    """all_to_all with tensor copies, per round: stage each destination's window at ``d * slot`` of this
+    rank's region, signal, copy the window at ``rank * slot`` of every peer's region into ``dst``, signal."""
+    global _last_path
+    rank, world, dtype = heap.rank, heap.world_size, src.dtype
+    for c in range(n_rounds):
+        call = _Call("all_to_all_ce", dtype, -1, n_rounds, slot)
+        in_off, in_n = _window(*sends, c * slot, slot)
+        out_off, out_n = _window(*recvs, c * slot, slot)
+        for d in range(world):
+            if in_n[d]:
+                heap.peer_data(rank, dtype, in_n[d], d * slot).copy_(src[in_off[d] : in_off[d] + in_n[d]])
+        _signal(heap, call)
+        for q in range(world):
+            if out_n[q]:
+                dst[out_off[q] : out_off[q] + out_n[q]].copy_(heap.peer_data(q, dtype, out_n[q], rank * slot))
+        _signal(heap, call)
+    _last_path = "copy_engine"

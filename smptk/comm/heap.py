@@ -62,6 +62,8 @@ class SymmetricHeap:
         broken: a reason string once a collective failed mid-flight (signal pads are then inconsistent).
         calls: kernel launches on this heap so far; every rank counts the same calls, so the count is
             the sequence number that the kernels compare across ranks (see ``smptk.comm.collectives``).
+        segments: uint8 tensors over every rank's whole segment as this rank maps it (``segments[rank]``
+            is ``local``): what the copy-engine collectives copy from with plain tensor copies.
     """
 
     backend: str
@@ -75,6 +77,7 @@ class SymmetricHeap:
     device: torch.device
     broken: str | None = None
     calls: int = 0  # symmetric launches so far: the sequence number in each call's announcement
+    segments: list[torch.Tensor] = field(default_factory=list, repr=False)
     _keepalive: list = field(default_factory=list, repr=False)
 
     @staticmethod
@@ -101,9 +104,25 @@ class SymmetricHeap:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         return self.local[DATA_OFFSET : DATA_OFFSET + nbytes].view(dtype)
 
+    def peer_data(self, rank: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        """Elements ``[offset, offset + numel)`` of rank ``rank``'s data region as a ``dtype`` tensor.
+
+        A view of the peer's memory (shared memory on CPU, a peer mapping on CUDA): copying into or out of
+        it moves data between ranks without a kernel of ours (the copy engines on CUDA).
+        """
+        size = torch.empty((), dtype=dtype).element_size()
+        start = DATA_OFFSET + offset * size
+        if offset < 0 or numel < 0 or (offset + numel) * size > self.heap_bytes:
+            raise ValueError(
+                f"peer_data: elements [{offset}, {offset + numel}) of {dtype} exceed the "
+                f"{self.heap_bytes}-byte data region"
+            )
+        return self.segments[rank][start : start + numel * size].view(dtype)
+
     def close(self) -> None:
         """Drop this rank's mappings (the memory goes when the last rank drops its own)."""
         self._keepalive.clear()
+        self.segments = []
         self.broken = self.broken or "closed"
 
 
@@ -158,6 +177,7 @@ def _create_cpu(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
         local=local,
         status=torch.zeros(2 * world, dtype=torch.int32),
         device=torch.device("cpu"),
+        segments=views,
         _keepalive=[maps, views],
     )
 
@@ -182,6 +202,10 @@ def _create_cuda(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
     torch.cuda.synchronize(device)
     handle.barrier()  # every rank's signal pad is zero before any kernel signals it
     ptrs = [int(p) for p in handle.buffer_ptrs]
+    segments = [
+        local if q == handle.rank else handle.get_buffer(q, (size,), torch.uint8)
+        for q in range(handle.world_size)
+    ]
     return SymmetricHeap(
         backend="cuda",
         rank=handle.rank,
@@ -192,5 +216,6 @@ def _create_cuda(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
         local=local,
         status=torch.zeros(2 * handle.world_size, dtype=torch.int32, device=device),
         device=device,
+        segments=segments,
         _keepalive=[handle],
     )

@@ -313,15 +313,24 @@ class SimulatedWorld:
     ) -> torch.Tensor:
         """Rank ``self.rank``'s all-gather of ``input [n]`` into ``out [world * n]`` (block q from rank q).
 
+        ``max_sms=0``: the copy-engine algorithm (``smptk.comm``'s ``algorithm="copy_engine"``): the
+        staging copy and one tensor copy per region, no kernel (its signal kernels only wait for peers,
+        and a simulated world has none).
+
         Example::
 
             >>> out = sim.all_gather(torch.arange(5, dtype=torch.int32), max_sms=1)   # 4 * 5 elements
         """
         _check_tensor("input", input)
-        p = _check_max_sms(max_sms)
+        p = 0 if max_sms == 0 else _check_max_sms(max_sms)
         src, dst = self._check_io(input, out, self.world * input.numel(), "all_gather")
         n = src.numel()
         if n == 0:
+            return dst
+        if p == 0:
+            self.peer_region(self.rank, src.dtype, n).copy_(src)
+            for q in range(self.world):
+                dst[q * n : (q + 1) * n].copy_(self.peer_region(q, src.dtype, n))
             return dst
         from smptk.kernels import collectives as K
 
@@ -359,14 +368,15 @@ class SimulatedWorld:
     ) -> torch.Tensor:
         """Rank ``self.rank``'s all-to-all with equal splits: ``input [world * n]`` -> ``out [world * n]``.
 
-        Block d of ``input`` goes to rank d; block q of ``out`` comes from rank q.
+        Block d of ``input`` goes to rank d; block q of ``out`` comes from rank q. ``max_sms=0``: the
+        copy-engine algorithm, as in :meth:`all_gather`.
 
         Example::
 
             >>> out = sim.all_to_all(torch.arange(4 * 3, dtype=torch.int32), max_sms=2)
         """
         _check_tensor("input", input)
-        p = _check_max_sms(max_sms)
+        p = 0 if max_sms == 0 else _check_max_sms(max_sms)
         if input.numel() % self.world:
             raise ValueError(
                 f"input: all_to_all with equal splits needs a multiple of world={self.world} elements, "
@@ -375,6 +385,13 @@ class SimulatedWorld:
         seg = input.numel() // self.world
         src, dst = self._check_io(input, out, input.numel(), "all_to_all")
         if seg == 0:
+            return dst
+        if p == 0:
+            own = self.peer_region(self.rank, src.dtype, self.world * seg)
+            own.copy_(src)  # block d staged at d * seg, as the kernel stages it
+            for q in range(self.world):
+                region = self.peer_region(q, src.dtype, self.world * seg)
+                dst[q * seg : (q + 1) * seg].copy_(region[self.rank * seg : (self.rank + 1) * seg])
             return dst
         from smptk.kernels import collectives as K
 

@@ -562,3 +562,35 @@ def _all_to_all_kernel(
                 BLOCK,
             )
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _signal_kernel(
+    data_W,
+    signal_W,
+    status_ptr,
+    rank,
+    world,
+    timeout_ns,
+    BLOCK: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
+    call_tag=0,
+    call_numel=0,
+    call_chunk=0,
+):
+    """One program: announce the call, barrier with every rank's program 0, compare the calls, barrier.
+
+    Moves no data: the copy-engine collectives (``smptk.comm``, ``algorithm="copy_engine"``) put one of
+    these between their stream-ordered tensor copies, so a rank reads a peer's region only after the
+    peer staged it, and restages only after every peer has read. The closing barrier keeps this call's
+    announcement in place until every rank has compared it (a fast rank's next call would overwrite
+    it), as the data kernels' closing barriers do. data_W and BLOCK are unused (the one launch path
+    passes them to every collective kernel).
+    """
+    start_ns = _start(USE_CLOCK)
+    entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
+    pid = tl.program_id(0)
+    ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
+    ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
+    _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)

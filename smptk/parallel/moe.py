@@ -15,15 +15,18 @@ Forward, one device::
 Expert parallel (``ep_group`` of R ranks; rank r owns experts ``r * E_l .. (r + 1) * E_l - 1``). The
 grouped buffer is ordered by expert id, so the rows for rank r are one contiguous block:
 
-1. the per-expert row counts ``[E]`` go through ``smptk.comm.all_to_all_single`` (equal splits of E_l),
-   so each rank learns how many rows every source sends to each of its experts; one host sync turns the
-   counts into split sizes (all_to_all_single takes them as Python lists, as torch.distributed does);
+1. every rank's per-expert row counts ``[E]`` go through ``smptk.comm.all_gather_into_tensor``, so every
+   rank holds the whole ``[R, E]`` count matrix; its one host read (the forward's only host sync) gives
+   the split sizes (all_to_all_single takes Python lists, as torch.distributed does) and the largest
+   split of any rank, which every rank passes as ``agreed_max_split`` so the all-to-alls need no
+   exchange of their own;
 2. the rows go through ``smptk.comm.all_to_all_single`` with those uneven splits; they arrive ordered
    (source rank, local expert) and are permuted to (local expert, source rank) for the grouped GEMMs;
 3. the expert outputs are permuted back and return by the inverse all-to-all; combine runs locally.
 
-Backward runs the same exchanges in reverse (an all-to-all's gradient is the all-to-all with the splits
-swapped). A rank that receives no rows runs its experts on an empty buffer (zero weight gradients).
+Per forward: one host sync and three collectives (the counts, the rows out, the rows back); backward:
+two all-to-alls and no host sync (an all-to-all's gradient is the all-to-all with the splits swapped). A
+rank that receives no rows runs its experts on an empty buffer (zero weight gradients).
 
 Losses: ``aux_loss`` after each forward holds ``aux_loss_coef * load-balancing loss + z_loss_coef *
 router z-loss`` of this rank's tokens (Switch Transformer's and ST-MoE's definitions, see
@@ -65,18 +68,20 @@ class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` to peers with ``smptk.comm.all_to_all_single``; backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, x_RH, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x_RH, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, peak: int):
+        ctx.splits, ctx.group, ctx.peak = (out_splits, in_splits), group, peak
         out = x_RH.new_empty(sum(out_splits), *x_RH.shape[1:])
-        comm.all_to_all_single(out, x_RH.contiguous(), out_splits, in_splits, group)
+        comm.all_to_all_single(out, x_RH.contiguous(), out_splits, in_splits, group, agreed_max_split=peak)
         return out
 
     @staticmethod
     def backward(ctx, dout_RH):
         out_splits, in_splits = ctx.splits
         dx = dout_RH.new_empty(sum(in_splits), *dout_RH.shape[1:])
-        comm.all_to_all_single(dx, dout_RH.contiguous(), in_splits, out_splits, ctx.group)
-        return dx, None, None, None
+        comm.all_to_all_single(
+            dx, dout_RH.contiguous(), in_splits, out_splits, ctx.group, agreed_max_split=ctx.peak
+        )
+        return dx, None, None, None, None
 
 
 def expert_major_order(counts_RE: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,18 +294,20 @@ class MoE(nn.Module):
 
     def _experts_parallel(self, x_grouped: torch.Tensor, plan: MoEDispatchPlan) -> torch.Tensor:
         R, E_l, g = self.ep_size, self.num_local_experts, self.ep_group
+        me = dist.get_rank(g)
         send_counts = plan.tokens_per_expert.to(torch.int32)
-        recv_counts = torch.empty_like(send_counts)
-        comm.all_to_all_single(recv_counts, send_counts, group=g)  # [s * E_l + e]: rows s sends my expert e
-        counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host sync: split sizes
-        send = [sum(counts[r * E_l : (r + 1) * E_l]) for r in range(R)]
-        recv_per_expert = counts[self.num_experts :]
-        recv = [sum(recv_per_expert[s * E_l : (s + 1) * E_l]) for s in range(R)]
-        x_recv = _AllToAll.apply(x_grouped, recv, send, g)  # rows ordered (source rank, local expert)
-        index, offsets = expert_major_order(recv_counts.view(R, E_l), sum(recv))
+        every_RE = send_counts.new_empty(R, self.num_experts)  # [s, r * E_l + e]: rows s sends r's expert e
+        comm.all_gather_into_tensor(every_RE, send_counts, group=g)
+        counts = every_RE.view(R, R, E_l).sum(dim=2).tolist()  # the one host sync: [s][r] rows s sends r
+        send = counts[me]
+        recv = [counts[s][me] for s in range(R)]
+        peak = max(max(row) for row in counts)  # the same on every rank: no split exchange in the all-to-alls
+        x_recv = _AllToAll.apply(x_grouped, recv, send, g, peak)  # rows ordered (source rank, local expert)
+        recv_counts = every_RE[:, me * E_l : (me + 1) * E_l]
+        index, offsets = expert_major_order(recv_counts, sum(recv))
         y_local = self._experts(x_recv.index_select(0, index), offsets)
         y_recv = y_local.new_empty(y_local.shape).index_copy(0, index, y_local)
-        return _AllToAll.apply(y_recv, send, recv, g)
+        return _AllToAll.apply(y_recv, send, recv, g, peak)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3, group: dist.ProcessGroup | None = None) -> torch.Tensor:
