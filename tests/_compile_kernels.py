@@ -10,7 +10,10 @@ facts about the result:
 
 - from the PTX: ``wgmma`` (``wgmma.mma_async`` instructions), ``tma_loads``
   (``cp.async.bulk.tensor.Nd.shared::cta.global``) and ``tma_stores``
-  (``cp.async.bulk.tensor.Nd.global.shared``);
+  (``cp.async.bulk.tensor.Nd.global.shared``); ``v128_loads`` / ``v128_stores``, the 128-bit global
+  accesses (``ld.global[.qualifiers].v4.b32``, ``.v2.b64`` and the typed spellings), and ``scalar_loads`` /
+  ``scalar_stores``, the global accesses of one 8-, 16- or 32-bit element (``ld.global.b16``, ``.b32``...;
+  data and control words alike);
 - from ``ptxas -v`` (``--gpu-name=sm_90a`` / ``sm_80``, Triton's own flags): ``registers`` per thread and
   ``spill_stores`` / ``spill_loads`` in bytes. The log is the one of the ptxas run that made the cubin
   (``TRITON_DUMP_PTXAS_LOG=1`` in the workers); when Triton's cache answered instead, a cached record keyed
@@ -26,7 +29,8 @@ Layout (used by ``tests/test_kernels_compile.py``, and runnable on its own):
   id. A worker that dies (an LLVM/MLIR abort) costs only the variant it was compiling; it is restarted.
 - ``python tests/_compile_kernels.py [-k SUBSTR] [--all] [--jobs N] [--list]``: prints one JSON line per
   variant (``{"id", "kernel", "ok", "error", "seconds", "shared", "cubin_bytes", "wgmma", "tma_loads",
-  "tma_stores", "registers", "spill_stores", "spill_loads"}``), then a summary on stderr (variants that
+  "tma_stores", "v128_loads", "v128_stores", "scalar_loads", "scalar_stores", "registers", "spill_stores",
+  "spill_loads"}``), then a summary on stderr (variants that
   failed, spill, or need more shared memory than the target has), and exits 1 if any failed to compile.
 
 Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``) takes the full set.
@@ -49,7 +53,8 @@ Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``)
 - collectives, USE_CLOCK=True (the CUDA path, ``%globaltimer`` inline PTX): every op valid for each of
   fp32/bf16/fp16/int32 (ACC fp32, or int32 for int32; no int32 "avg", which the host never launches) with
   the default 300 s timeout (an i64 argument); per kernel one bf16 variant with an i32 timeout and i64 sizes,
-  and one with SIMULATED=True where the kernel has that flag.
+  and one with SIMULATED=True where the kernel has that flag. Built with the kernels' own launch options
+  (``collectives.LAUNCH_OPTIONS``: ``num_warps``, ``maxnreg``), as the launch paths run them.
 - ``moe_route`` and ``moe_dispatch`` kernels (T = 4096 tokens, H = 2048): per kernel the DeepSeek-V2-Lite
   set-up (E = 64, k = 6; bf16 logits and rows, int32 ids, fp32 routing weights, capacity factor 1.25)
   and an int64 one: DeepSeek-V3 routing (E = 256, k = 8, sigmoid + expert bias) in fp32 past 2^31 tokens,
@@ -115,7 +120,8 @@ class Variant:
     ``types``: signature type by argument name for every non-constexpr argument not defaulted to "i32"
     (every pointer must be listed); ``constexprs``: value by name (unit strides included); ``aligned``: the
     arguments that carry ``tt.divisibility = 16``. GEMM engine variants also carry ``gemm_path`` ("tma" or
-    "pointer") and ``dtype`` (the operands' Triton type), which the instruction-level checks read.
+    "pointer"); they and the collectives carry ``dtype`` (the data's Triton type), which the instruction-level
+    checks read.
     """
 
     id: str
@@ -129,6 +135,7 @@ class Variant:
     cost: int = 1  # rough relative compile cost, heaviest first for load balance
     gemm_path: str = ""
     dtype: str = ""
+    maxnreg: int | None = None  # ptxas register cap (the collectives' launch option), None for none
 
     @property
     def kernel_name(self) -> str:
@@ -139,7 +146,8 @@ class Variant:
         consts = ", ".join(f"{k}={c.name if isinstance(c, TlDtype) else c!r}" for k, c in self.constexprs)
         types = ", ".join(f"{k}: {t}" for k, t in self.types)
         return (
-            f"{self.kernel} for sm_{self.arch}, num_warps={self.num_warps}, num_stages={self.num_stages}\n"
+            f"{self.kernel} for sm_{self.arch}, num_warps={self.num_warps}, num_stages={self.num_stages}"
+            f"{'' if self.maxnreg is None else f', maxnreg={self.maxnreg}'}\n"
             f"  constexprs: {consts}\n  types (others i32): {types}\n"
             f"  16-byte aligned: {', '.join(self.aligned) or 'none'}"
         )
@@ -337,8 +345,11 @@ _COLL_SIZES = {
 }
 
 
-def _collective_variants(arch: int, block: int, ops: dict[str, int], params: dict[str, list[str]]) -> list:
-    """``params``: each kernel's argument names (a SIMULATED variant is added where the kernel has one)."""
+def _collective_variants(
+    arch: int, block: int, ops: dict[str, int], params: dict[str, list[str]], launch: dict
+) -> list:
+    """``params``: each kernel's argument names (a SIMULATED variant is added where the kernel has one);
+    ``launch``: the kernels' launch options (``num_warps``, ``maxnreg``)."""
     out = []
     for name, (has_op, tables) in _COLL_KERNELS.items():
         modes = ["default", "i32_timeout-i64_sizes"]
@@ -377,7 +388,10 @@ def _collective_variants(arch: int, block: int, ops: dict[str, int], params: dic
                             types,
                             consts,
                             aligned,
+                            num_warps=launch["num_warps"],
                             cost=2,
+                            dtype=dtype,
+                            maxnreg=launch.get("maxnreg"),
                         )
                     )
     return out
@@ -656,7 +670,9 @@ def variants(full: bool | None = None) -> list[Variant]:
     for arch in ARCHS:
         out += _gemm_variants(arch, specs, full)
         out += _elementwise_variants(arch, blocks, full)
-        out += _collective_variants(arch, collectives.BLOCK, collectives.OPS, coll_params)
+        out += _collective_variants(
+            arch, collectives.BLOCK, collectives.OPS, coll_params, collectives.LAUNCH_OPTIONS
+        )
         out += _route_variants(arch, dict(moe_route._FWD_BLOCKS), moe_route.SCORE_FUNCS, full)
         out += _dispatch_variants(
             arch,
@@ -736,6 +752,8 @@ def _compile_one(v: Variant):
 
     module, name = v.kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
+    if hasattr(fn, "launch_options"):  # a kernel carrying its launch options (collectives._Launch)
+        fn = fn.kernel
     arg_names = list(fn.arg_names)
     types, consts = dict(v.types), dict(v.constexprs)
     unknown = sorted((set(types) | set(consts) | set(v.aligned)) - set(arg_names))
@@ -759,11 +777,10 @@ def _compile_one(v: Variant):
             signature[a] = "i32"
     attrs = {(arg_names.index(a),): [["tt.divisibility", 16]] for a in v.aligned if a not in consts}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(
-        src,
-        target=GPUTarget("cuda", v.arch, 32),
-        options={"num_warps": v.num_warps, "num_stages": v.num_stages},
-    )
+    options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
+    if v.maxnreg is not None:
+        options["maxnreg"] = v.maxnreg
+    kernel = triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
     cubin = kernel.asm.get("cubin")
     if not cubin:
         raise RuntimeError("compiled without a cubin (ptxas did not run)")
@@ -776,6 +793,12 @@ _PTX_COUNTS = {
     "wgmma": re.compile(r"wgmma\.mma_async"),
     "tma_loads": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"),
     "tma_stores": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"),
+    # Global accesses by width. Qualifiers (.volatile, cache and eviction hints, .L2::...) may sit between
+    # "ld.global" and the vector/type suffix; 128 bits = 4 x 32 or 2 x 64 bits.
+    "v128_loads": re.compile(r"\bld\.global(?:\.[\w:]+)*?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\s"),
+    "v128_stores": re.compile(r"\bst\.global(?:\.[\w:]+)*?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\s"),
+    "scalar_loads": re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*?\.[bfsu](?:8|16|32)\s"),
+    "scalar_stores": re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*?\.[bfsu](?:8|16|32)\s"),
 }
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

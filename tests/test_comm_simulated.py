@@ -130,8 +130,12 @@ def run_and_check(
     rank: int = 0,
     device: str = "cpu",
     seed: int = 0,
+    offset: int = 0,
 ) -> None:
-    """Fill the peers, run ``kind`` once as ``rank``; assert exact output, untouched peers, own staging."""
+    """Fill the peers, run ``kind`` once as ``rank``; assert exact output, untouched peers, own staging.
+
+    ``offset``: input and output are views that start ``offset`` elements into their buffers (1: every
+    tensor address off 16-byte alignment, so the copies that touch them take the kernels' scalar path)."""
     gen = torch.Generator().manual_seed(seed)
     numel = _input_numel(kind, world, n)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -140,15 +144,15 @@ def run_and_check(
     region_numel = heap_bytes // elem
     peers = {q: _ints(region_numel, dtype, gen, device) for q in range(world) if q != rank}
     sim.fill_peers(lambda q: peers[q])
-    x = _ints(numel, dtype, gen, device)
+    x = _ints(numel + offset, dtype, gen, device)[offset:]
     x_before = x.clone()
     out_numel = {"all_gather": world * numel, "reduce_scatter": n}.get(kind, numel)
-    out = _poisoned(out_numel, dtype, device)
+    out = _poisoned(out_numel + offset, dtype, device)[offset:]
 
     returned = sim.run(kind, x, out, op=op, max_sms=max_sms)
 
     want = expected(kind, x_before, peers, world, rank, op)
-    what = f"{kind} W={world} rank={rank} n={n} max_sms={max_sms} {dtype} {op}"
+    what = f"{kind} W={world} rank={rank} n={n} max_sms={max_sms} {dtype} {op} offset={offset}"
     assert returned.data_ptr() == out.data_ptr(), f"{what}: did not return the given output"
     assert torch.equal(out, want), (
         f"{what}: output differs at {(out != want).nonzero()[:8].flatten().tolist()}"
@@ -273,6 +277,54 @@ def test_io_numel_follows_nccl_tests_sizes() -> None:
         SimulatedWorld.io_numel("all_gather", 3, 8, torch.float16)
     with pytest.raises(ValueError, match="whole number of 2-byte"):
         SimulatedWorld.io_numel("all_reduce_two_shot", 3, 7, torch.float16)
+
+
+# ----------------------------------------------------------------------------------- vector and scalar paths
+# Each copy and reduction of the kernels takes 128-bit accesses where its addresses are 16-byte aligned and
+# its offsets whole multiples of 16 bytes, else a masked scalar path, with a masked last tile on both
+# (smptk.kernels.collectives, "Data path"). The interpreter ignores the alignment hints but runs the same
+# branches, so these cases drive both paths and their tails on CPU; the CUDA cases run the compiled 128-bit
+# accesses. Sizes: 1 and 7 (a partial tile only), 8 (one 16-byte vector of 16-bit elements), 1000 and 4099
+# (whole tiles of the interpreter's 256 elements and a tail; at W=3 the two-shot slices are 334 and 1367,
+# not multiples of 16 bytes, so slices 1 and 2 take the scalar path), 4096 at W=2 (every offset aligned); on
+# CUDA also 3 x 8192 + 5 (whole 8192-element tiles). offset=1: misaligned input and output tensors.
+_PATH_SIZES = ((3, 1), (3, 7), (3, 8), (3, 1000), (2, 4096), (3, 4099))
+_CUDA_PATH_SIZES = ((3, 3 * 8192 + 5), (2, 4 * 8192))
+
+
+def _path_cases() -> list:
+    cases = []
+    for device in ("cpu", "cuda"):
+        marks = (pytest.mark.gpu,) if device == "cuda" else ()
+        for world, n in _PATH_SIZES + (_CUDA_PATH_SIZES if device == "cuda" else ()):
+            for offset in (0, 1):
+                case_id = f"{device}-W{world}-n{n}-off{offset}"
+                cases.append(pytest.param(device, world, n, offset, id=case_id, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bf16", "fp32"))
+@pytest.mark.parametrize(("device", "world", "n", "offset"), _path_cases())
+@pytest.mark.parametrize("kind", KINDS)
+def test_vector_and_scalar_paths(
+    kind: str, device, world: int, n: int, offset: int, dtype: torch.dtype
+) -> None:
+    dev = _device(device)
+    if dev == "cuda" and runtime.interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET=1 is set, so the kernels cannot compile for the GPU in this process")
+    op = "max" if dtype == torch.float32 else "sum"
+    run_and_check(
+        kind,
+        world=world,
+        n=n,
+        max_sms=3,
+        dtype=dtype,
+        op=op,
+        rank=1,
+        device=dev,
+        seed=n + offset,
+        offset=offset,
+    )
 
 
 # ----------------------------------------------------------------------------------- bad input

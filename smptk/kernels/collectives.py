@@ -35,6 +35,30 @@ and barriers; the host then raises :class:`smptk.comm.CommTimeoutError`.
 
 Reductions accumulate in fp32 for fp16/bf16/fp32 and in int32 for int32. Ops: 0 sum, 1 avg, 2 max, 3 min.
 
+Data path (``_copy``, ``_reduce_range``). Every copy and reduction covers a range of n elements in tiles of
+2 * BLOCK bytes, tile t of the range being program t % P's, on every path: which path a rank takes never
+changes which program wrote what the next phase reads. Each range picks its path at run time, in one uniform
+branch: the vector path when every address it adds element offsets to is 16-byte aligned (the tensor
+arguments, which Triton's launcher then specializes as aligned, and the data regions) and every base offset
+is a whole number of 16 bytes (``VEC = 16 / element size`` elements). There every whole tile moves with
+unmasked accesses that the compiler can prove aligned and contiguous, so sm_90 gets 128-bit loads and stores
+(``ld.global.v4.b32``; a copy keeps one 32 KiB tile in flight per program, a reduction over W ranks a 4 KiB
+piece of each, or of 8 ranks' worth for W = 2 and 4), and only the partial last tile is masked. Otherwise
+every tile is masked, which compiles to the scalar accesses of any address Triton knows nothing about. The
+only alignment stated with ``tl.multiple_of`` is that of the data regions (``_region``), true on every
+path; the offsets' alignment is visible to the compiler from how the vector path rebuilds them
+(``_vec_offset``). Reductions combine the ranks in rank order on both paths, so ranks that took different
+paths hold bitwise-equal results.
+
+Alignment guarantees: both heaps place every data region on a 4 KiB boundary (``smptk.comm.heap``:
+4 KiB-aligned segments, ``DATA_OFFSET`` a multiple of 4096; the simulated world: ``_REGION_ALIGN``), and
+``heap_bytes`` is a multiple of 16, so chunk boundaries (``heap_bytes / element size`` elements) keep a
+tensor's alignment. Offsets inside a region are the host's: the two-shot slices ``q * slice_n`` and the
+reduce-scatter blocks ``q * n`` are 16-byte multiples when ``slice_n`` (``ceil(n / W)``) and ``n`` are
+multiples of VEC; the all-to-all slots ``d * slot`` when ``slot`` (``heap_bytes / W`` bytes) is, and the
+split offsets when the splits are. A range whose offsets are not (world 3, an odd split) takes the
+scalar path.
+
 ``SIMULATED=True`` skips every barrier: one rank's kernel moves data through W buffers that all live in
 one device's memory, with no peer to wait for. Only the benchmarks' single-GPU "simulated world" uses it;
 its numbers are labeled as such and are not multi-GPU measurements.
@@ -66,9 +90,37 @@ _NO_SPECIALIZE = [
 ]  # fmt: skip
 OPS = {"sum": OP_SUM, "avg": OP_AVG, "max": OP_MAX, "min": OP_MIN}
 
-# Elements per tile: 1024 x 2-byte = 2 KiB per load, enough to keep a program's loads in flight. Untuned.
-BLOCK = 1024
-BLOCK_INTERPRETER = 256  # fewer numpy round trips per tile under the interpreter; also untuned
+# Measured on one H100 (Triton 3.6) in the simulated world: W=8 regions in one GPU's HBM, SIMULATED=True,
+# bf16, 8 MiB blocks, bytes read + written by one program (one SM), median of 12 launches. Against the
+# scalar kernels this data path replaced (BLOCK=1024, 4 warps), with the values below: all_gather 7.8 ->
+# 93.1 GB/s, all_to_all 9.2 -> 94.2, one-shot all-reduce 5.6 -> 59.1, reduce_scatter 6.2 -> 71.7,
+# two-shot all-reduce 9.8 -> 81.2 (at 16 programs: 63-66 GB/s per SM for the copies, 42-46 for the
+# one-shot and reduce-scatter reductions). One program keeps one tile (or one piece per rank) in flight at
+# a time, so its rate is those bytes over the memory latency: 8192-element tiles at 4 warps gave 57.6 GB/s
+# for all_gather, the reductions 15-32 with the ranks grouped under predicates (ptxas then interleaved
+# their loads with the adds). NVLink's latency is longer than local HBM's: untuned there.
+#
+# Elements per tile, counted in 16-bit elements: a tile is 2 * BLOCK = 32 KiB in every dtype (32-bit types
+# take 8192 elements), the unit of work the programs share (tile t of a range is program t % P's). A bulk
+# copy moves a whole tile with one load and one store: eight 128-bit loads per thread at 8 warps.
+BLOCK = 16384
+BLOCK_INTERPRETER = 256  # fewer numpy round trips per tile under the interpreter; untuned
+# Piece of a tile that a reduction, and every masked (tail or unaligned) access, works on at once, in
+# 16-bit elements (4 KiB): one 128-bit load per thread per rank at 8 warps. A reduction over 2 or 4 ranks
+# takes 4 or 2 pieces at once (the bytes in flight of 8 ranks). Half a tile when the tile is smaller (the
+# interpreter), so the CPU tests run the loop over pieces.
+SUB_BLOCK = 2048
+# Ranks that a reduction over other than 2, 4 or 8 ranks loads before it combines them (each load
+# predicated on the rank being in the world). Untuned.
+PEERS = 8
+_SUB_BLOCK = tl.constexpr(SUB_BLOCK)
+_PEERS = tl.constexpr(PEERS)
+# Launch options of every data-moving kernel (see :class:`_Launch`). 8 warps: 11-68% over 4 warps at one
+# program (all_gather 84.0 -> 93.1 GB/s, one-shot 35.2 -> 59.1; bench above). maxnreg=128: without a cap,
+# ptxas's occupancy heuristic spills long-lived values to stop at 80 registers (Triton 3.9, sm_90: 4-100
+# bytes in 13 of the 63 compile-check variants); with it none spills (80-128 registers), and two 8-warp
+# programs fit an SM, so max_sms up to MAX_PROGRAMS=256 stays resident on H100.
+LAUNCH_OPTIONS = {"num_warps": 8, "maxnreg": 128}
 
 
 @triton.jit
@@ -302,39 +354,235 @@ def _barrier(
 
 
 @triton.jit
-def _reduce_peers(data_W, world, base, offs, mask, OP: tl.constexpr, ACC: tl.constexpr, DTYPE: tl.constexpr):
-    """Reduce element ``base + offs`` of every rank's data region; returns the ACC-typed result."""
-    peer = tl.load(data_W + 0).to(tl.pointer_type(DTYPE))
-    acc = tl.load(peer + base + offs, mask=mask, other=0).to(ACC)
-    for q in range(1, world):
-        peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
-        v = tl.load(peer + base + offs, mask=mask, other=0).to(ACC)
-        if OP == 2:
-            acc = tl.maximum(acc, v)
-        elif OP == 3:
-            acc = tl.minimum(acc, v)
-        else:
-            acc += v
+def _start(USE_CLOCK: tl.constexpr):
+    return _now(tl.full((), 0, tl.int64), USE_CLOCK)
+
+
+@triton.jit
+def _aligned(p):
+    """1 when the scalar pointer ``p`` is 16-byte aligned."""
+    return ((p.to(tl.int64) % 16) == 0).to(tl.int32)
+
+
+@triton.jit
+def _region(data_W, q, DTYPE: tl.constexpr):
+    """Rank q's data region as a ``DTYPE`` pointer, stated 16-byte aligned: both heaps place every region on a
+    4 KiB boundary (see the module docstring), so the statement holds on every path."""
+    return tl.multiple_of(tl.load(data_W + q).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
+def _vec_offset(x, VEC: tl.constexpr):
+    """``x`` rebuilt as ``(x // VEC) * VEC``: equal to ``x`` where the caller checked ``x % VEC == 0``, and
+    visibly a multiple of VEC to the compiler (no hint that could reach another path)."""
+    return _i64(x) // VEC * VEC
+
+
+@triton.jit
+def _first_tile(t0, pid, P):
+    """The first tile index >= t0 that program ``pid`` of P owns (tile t is program t % P's)."""
+    return t0 + (pid - t0 % P + P) % P
+
+
+@triton.jit
+def _copy(src, dst, src_base, dst_base, n, pid, P, BLOCK: tl.constexpr):
+    """dst[dst_base + i] = src[src_base + i] for i < n; tile t (elements [t * BLOCK, (t + 1) * BLOCK), BLOCK
+    in this dtype's elements) is program t % P's on both paths.
+
+    ``src`` and ``dst`` are data regions (:func:`_region`) or the kernel's tensor arguments, which Triton's
+    launcher specializes as 16-byte aligned exactly when they are. Vector path, when both are 16-byte
+    aligned and both bases a whole number of 16 bytes (a uniform branch): every whole tile with one
+    unmasked load and store of BLOCK elements, which the compiler can prove aligned and contiguous (128-bit
+    accesses), then the partial last tile masked. Else every tile masked, which compiles to scalar
+    accesses. Masked tiles go in SUB-element pieces.
+    """
+    DTYPE = dst.dtype.element_ty
+    VEC: tl.constexpr = 128 // DTYPE.primitive_bitwidth  # elements per 16 bytes
+    SUB: tl.constexpr = min(BLOCK // 2, _SUB_BLOCK * 16 // DTYPE.primitive_bitwidth)
+    full = n // BLOCK
+    vector = _aligned(src) & _aligned(dst) & (_i64(src_base) % VEC == 0).to(tl.int32)
+    vector = vector & (_i64(dst_base) % VEC == 0).to(tl.int32)
+    if vector != 0:
+        s = src + _vec_offset(src_base, VEC)
+        d = dst + _vec_offset(dst_base, VEC)
+        offs = tl.arange(0, BLOCK)
+        for t in range(pid, full, P):
+            i = _i64(t) * BLOCK + offs
+            tl.store(d + i, tl.load(s + i))
+    s = src + src_base
+    d = dst + dst_base
+    offs_sub = tl.arange(0, SUB)
+    for t in range(_first_tile(tl.where(vector != 0, full, 0), pid, P), tl.cdiv(n, BLOCK), P):
+        lo = _i64(t) * BLOCK
+        for c in range(0, tl.minimum(BLOCK, n - lo), SUB):
+            i = lo + c + offs_sub
+            m = i < n
+            tl.store(d + i, tl.load(s + i, mask=m), mask=m)
+
+
+@triton.jit
+def _load_region(data_W, q, base, i, mask, DTYPE: tl.constexpr):
+    """Elements ``base + i`` of rank q's data region (zeros where ``mask`` is off)."""
+    return tl.load(_region(data_W, q, DTYPE) + base + i, mask=mask, other=0)
+
+
+@triton.jit
+def _combine(acc, v, OP: tl.constexpr):
+    if OP == 2:
+        out = tl.maximum(acc, v)
+    elif OP == 3:
+        out = tl.minimum(acc, v)
+    else:
+        out = acc + v
+    return out
+
+
+@triton.jit
+def _reduce_regions(
+    data_W,
+    world,
+    base,
+    i,
+    mask,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    DTYPE: tl.constexpr,
+    GROUPED: tl.constexpr,
+):
+    """ACC-typed reduction of elements ``base + i`` over every rank's data region, in rank order 0..world-1.
+
+    GROUPED (the vector path): peers 1.. come in groups of PEERS whose loads are all issued before the first
+    is combined (a peer past the world is a load switched off and a combine discarded). Else (the masked
+    path: a 64-bit address per element) one peer at a time, as few registers as possible. Both combine in
+    the same order, so ranks that took different paths hold bitwise-equal results.
+    """
+    acc = _load_region(data_W, 0, base, i, mask, DTYPE).to(ACC)
+    if GROUPED:
+        for q0 in range(1, world, _PEERS):
+            group = ()  # every load of the group first, in program order: all are in flight at once
+            for j in tl.static_range(_PEERS):
+                q = tl.minimum(q0 + j, world - 1)
+                group = group + (_load_region(data_W, q, base, i, mask & (q0 + j < world), DTYPE),)  # noqa: RUF005
+            for j in tl.static_range(_PEERS):
+                acc = tl.where(q0 + j < world, _combine(acc, group[j].to(ACC), OP), acc)
+    else:
+        for q in range(1, world):
+            acc = _combine(acc, _load_region(data_W, q, base, i, mask, DTYPE).to(ACC), OP)
     if OP == 1:
         acc = acc / world
     return acc
 
 
 @triton.jit
-def _start(USE_CLOCK: tl.constexpr):
-    return _now(tl.full((), 0, tl.int64), USE_CLOCK)
+def _reduce_tiles_of(
+    data_W,
+    base,
+    dst,
+    full,
+    pid,
+    P,
+    WORLD: tl.constexpr,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """The whole tiles of a reduction over exactly WORLD ranks, vector path: dst[i] = reduce over q of (region
+    of q)[base + i] for tiles ``pid, pid + P, ... < full``. The region pointers are loaded once; per piece,
+    the WORLD loads are issued before the first combine and need no predicate (no peer is past the world).
+    Same arithmetic, in the same order, as :func:`_reduce_regions`."""
+    DTYPE = dst.dtype.element_ty
+    PIECE: tl.constexpr = min(BLOCK, SUB * (8 // WORLD))  # as many bytes in flight as 8 ranks' pieces
+    regions = ()
+    for q in tl.static_range(WORLD):
+        regions = regions + (_region(data_W, q, DTYPE) + base,)  # noqa: RUF005 (no * in Triton)
+    offs = tl.arange(0, PIECE)
+    for t in range(pid, full, P):
+        for c in range(0, BLOCK, PIECE):
+            i = _i64(t) * BLOCK + c + offs
+            vals = ()
+            for q in tl.static_range(WORLD):
+                vals = vals + (tl.load(regions[q] + i),)  # noqa: RUF005
+            acc = vals[0].to(ACC)
+            for q in tl.static_range(1, WORLD):
+                acc = _combine(acc, vals[q].to(ACC), OP)
+            if OP == 1:
+                acc = acc / WORLD
+            tl.store(dst + i, acc.to(DTYPE))
 
 
 @triton.jit
-def _copy_in(src_ptr, dst_ptr, src_base, dst_base, n, pid, P, BLOCK: tl.constexpr):
-    """dst[dst_base + i] = src[src_base + i] for i < n, tiles ``pid, pid + P, ...`` of this program."""
-    offs = tl.arange(0, BLOCK)
-    for t in range(pid, tl.cdiv(n, BLOCK), P):
-        i = _i64(t) * BLOCK + offs
-        m = i < n
-        tl.store(dst_ptr + dst_base + i, tl.load(src_ptr + src_base + i, mask=m), mask=m)
+def _reduce_range(
+    data_W, world, base, dst, dst_base, n, pid, P, OP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
+):
+    """dst[dst_base + i] = reduce over ranks q of (region of q)[base + i] for i < n; tile t is program t % P's
+    (BLOCK in this dtype's elements).
+
+    Vector path when ``dst`` is 16-byte aligned (the regions always are) and ``base`` and ``dst_base`` are
+    whole numbers of 16 bytes: whole tiles unmasked, with a loop of its own for 2, 4 and 8 ranks (one
+    node's usual groups: every load of a piece in flight, no predicates), PEERS-rank groups otherwise;
+    then the partial last tile masked. Else every tile masked. All go in SUB-element pieces, so the loads
+    of a piece fit in registers.
+    """
+    DTYPE = dst.dtype.element_ty
+    VEC: tl.constexpr = 128 // DTYPE.primitive_bitwidth  # elements per 16 bytes
+    SUB: tl.constexpr = min(BLOCK // 2, _SUB_BLOCK * 16 // DTYPE.primitive_bitwidth)
+    offs = tl.arange(0, SUB)
+    full = n // BLOCK
+    vector = _aligned(dst) & (_i64(base) % VEC == 0).to(tl.int32)
+    vector = vector & (_i64(dst_base) % VEC == 0).to(tl.int32)
+    if vector != 0:
+        b = _vec_offset(base, VEC)
+        d = dst + _vec_offset(dst_base, VEC)
+        if world == 8:
+            _reduce_tiles_of(data_W, b, d, full, pid, P, 8, OP, ACC, BLOCK, SUB)
+        elif world == 4:
+            _reduce_tiles_of(data_W, b, d, full, pid, P, 4, OP, ACC, BLOCK, SUB)
+        elif world == 2:
+            _reduce_tiles_of(data_W, b, d, full, pid, P, 2, OP, ACC, BLOCK, SUB)
+        else:
+            everywhere = tl.full((SUB,), 1, tl.int1)  # constant: the bulk loads need no element mask
+            for t in range(pid, full, P):
+                for c in range(0, BLOCK, SUB):
+                    i = _i64(t) * BLOCK + c + offs
+                    acc = _reduce_regions(data_W, world, b, i, everywhere, OP, ACC, DTYPE, True)
+                    tl.store(d + i, acc.to(DTYPE))
+    d = dst + dst_base
+    for t in range(_first_tile(tl.where(vector != 0, full, 0), pid, P), tl.cdiv(n, BLOCK), P):
+        lo = _i64(t) * BLOCK
+        for c in range(0, tl.minimum(BLOCK, n - lo), SUB):
+            i = lo + c + offs
+            m = i < n
+            acc = _reduce_regions(data_W, world, base, i, m, OP, ACC, DTYPE, False)
+            tl.store(d + i, acc.to(DTYPE), mask=m)
 
 
+class _Launch:
+    """A collective kernel with the launch options it is built for: ``kernel[grid](...)`` adds
+    :data:`LAUNCH_OPTIONS` (a caller's own ``num_warps`` / ``maxnreg`` win), so the launch paths in
+    ``smptk.comm`` pass only arguments and constexprs. Anything else (``fn``, ``arg_names``...) is the
+    kernel's; ``kernel`` is the ``@triton.jit`` function itself (the compile checks build it with
+    ``launch_options``)."""
+
+    def __init__(self, kernel, launch_options: dict):
+        self.kernel = kernel
+        self.launch_options = dict(launch_options)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **{**self.launch_options, **kwargs})
+
+    def __getattr__(self, name: str):
+        if name in ("kernel", "launch_options"):  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
+
+
+def _with_launch_options(kernel) -> _Launch:
+    return _Launch(kernel, LAUNCH_OPTIONS)
+
+
+@_with_launch_options
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_reduce_one_shot_kernel(
     in_ptr,
@@ -361,21 +609,18 @@ def _all_reduce_one_shot_kernel(
     start_ns = _start(USE_CLOCK)
     entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
     DTYPE = in_ptr.dtype.element_ty
-    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
+    own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
-        _copy_in(in_ptr, own, 0, 0, n, pid, P, BLOCK)
+        _copy(in_ptr, own, 0, 0, n, pid, P, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
-        offs = tl.arange(0, BLOCK)
-        for t in range(pid, tl.cdiv(n, BLOCK), P):
-            i = _i64(t) * BLOCK + offs
-            m = i < n
-            acc = _reduce_peers(data_W, world, 0, i, m, OP, ACC, DTYPE)
-            tl.store(out_ptr + i, acc.to(DTYPE), mask=m)
+        _reduce_range(data_W, world, 0, out_ptr, 0, n, pid, P, OP, ACC, TILE)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
+@_with_launch_options
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_reduce_two_shot_kernel(
     in_ptr,
@@ -403,31 +648,27 @@ def _all_reduce_two_shot_kernel(
     start_ns = _start(USE_CLOCK)
     entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
     DTYPE = in_ptr.dtype.element_ty
-    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
+    own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
         for q in range(0, world):
             base = _i64(q) * slice_n
-            _copy_in(in_ptr, own, base, base, tl.minimum(slice_n, n - base), pid, P, BLOCK)
+            _copy(in_ptr, own, base, base, tl.minimum(slice_n, n - base), pid, P, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
-    offs = tl.arange(0, BLOCK)
     if ok != 0:
         base = _i64(rank) * slice_n
-        len_r = tl.minimum(slice_n, n - base)
-        for t in range(pid, tl.cdiv(len_r, BLOCK), P):
-            i = _i64(t) * BLOCK + offs
-            m = i < len_r
-            acc = _reduce_peers(data_W, world, base, i, m, OP, ACC, DTYPE)
-            tl.store(own + base + i, acc.to(DTYPE), mask=m)
+        _reduce_range(data_W, world, base, own, base, tl.minimum(slice_n, n - base), pid, P, OP, ACC, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     if ok != 0:
         for q in range(0, world):
-            peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
+            peer = _region(data_W, q, DTYPE)
             base = _i64(q) * slice_n
-            _copy_in(peer, out_ptr, base, base, tl.minimum(slice_n, n - base), pid, P, BLOCK)
+            _copy(peer, out_ptr, base, base, tl.minimum(slice_n, n - base), pid, P, TILE)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
+@_with_launch_options
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_gather_kernel(
     in_ptr,
@@ -453,18 +694,20 @@ def _all_gather_kernel(
     start_ns = _start(USE_CLOCK)
     entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
     DTYPE = in_ptr.dtype.element_ty
-    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
+    own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
-        _copy_in(in_ptr, own, 0, 0, n, pid, P, BLOCK)
+        _copy(in_ptr, own, 0, 0, n, pid, P, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
         for q in range(0, world):
-            peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
-            _copy_in(peer, out_ptr, 0, _i64(q) * out_stride, n, pid, P, BLOCK)
+            peer = _region(data_W, q, DTYPE)
+            _copy(peer, out_ptr, 0, _i64(q) * out_stride, n, pid, P, TILE)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
+@_with_launch_options
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _reduce_scatter_kernel(
     in_ptr,
@@ -492,23 +735,19 @@ def _reduce_scatter_kernel(
     start_ns = _start(USE_CLOCK)
     entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
     DTYPE = in_ptr.dtype.element_ty
-    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
+    own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
         for q in range(0, world):
-            _copy_in(in_ptr, own, _i64(q) * in_stride, _i64(q) * n, n, pid, P, BLOCK)
+            _copy(in_ptr, own, _i64(q) * in_stride, _i64(q) * n, n, pid, P, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
-        offs = tl.arange(0, BLOCK)
-        base = _i64(rank) * n
-        for t in range(pid, tl.cdiv(n, BLOCK), P):
-            i = _i64(t) * BLOCK + offs
-            m = i < n
-            acc = _reduce_peers(data_W, world, base, i, m, OP, ACC, DTYPE)
-            tl.store(out_ptr + i, acc.to(DTYPE), mask=m)
+        _reduce_range(data_W, world, _i64(rank) * n, out_ptr, 0, n, pid, P, OP, ACC, TILE)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
+@_with_launch_options
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_to_all_kernel(
     in_ptr,
@@ -542,16 +781,17 @@ def _all_to_all_kernel(
     start_ns = _start(USE_CLOCK)
     entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
     DTYPE = in_ptr.dtype.element_ty
-    own = tl.load(data_W + rank).to(tl.pointer_type(DTYPE))
+    TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
+    own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
         for d in range(0, world):
-            _copy_in(in_ptr, own, tl.load(in_off_W + d), _i64(d) * slot, tl.load(in_len_W + d), pid, P, BLOCK)
+            _copy(in_ptr, own, tl.load(in_off_W + d), _i64(d) * slot, tl.load(in_len_W + d), pid, P, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
         for q in range(0, world):
-            peer = tl.load(data_W + q).to(tl.pointer_type(DTYPE))
-            _copy_in(
+            peer = _region(data_W, q, DTYPE)
+            _copy(
                 peer,
                 out_ptr,
                 _i64(rank) * slot,
@@ -559,7 +799,7 @@ def _all_to_all_kernel(
                 tl.load(out_len_W + q),
                 pid,
                 P,
-                BLOCK,
+                TILE,
             )
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
