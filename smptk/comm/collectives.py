@@ -390,6 +390,13 @@ def _heap_elems(heap: SymmetricHeap, dtype: torch.dtype) -> int:
     return heap.heap_bytes // torch.empty((), dtype=dtype).element_size()
 
 
+def _vector_floor(elems: int, dtype: torch.dtype) -> int:
+    """``elems`` rounded down to whole 16-byte vectors: staging offsets that are multiples of it keep the
+    kernels on their 128-bit path (see smptk.kernels.collectives); 0 when less than one vector."""
+    per_vector = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    return elems - elems % per_vector
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: str = "sum",
@@ -592,7 +599,7 @@ def reduce_scatter_tensor(
         return output
     src, dst = input.view(-1), output.view(-1)
     n_total = dst.numel()
-    chunk = max(1, _heap_elems(heap, input.dtype) // world)
+    chunk = max(1, _vector_floor(_heap_elems(heap, input.dtype) // world, input.dtype))
     acc = _acc_type(input.dtype)
     for c0 in range(0, max(n_total, 1), chunk):
         n = min(chunk, n_total - c0)
@@ -742,7 +749,7 @@ def all_to_all_single(
     out_len = [r * row_out for r in out_rows]
     in_start = [sum(in_len[:d]) for d in range(world)]
     out_start = [sum(out_len[:d]) for d in range(world)]
-    slot = _heap_elems(heap, input.dtype) // world
+    slot = _vector_floor(_heap_elems(heap, input.dtype) // world, input.dtype)
     if slot == 0:
         raise CommError(f"heap_bytes={heap.heap_bytes} is too small for {world} ranks")
     if agreed_max_split is None:
