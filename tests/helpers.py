@@ -33,6 +33,29 @@ NO_INTERPRETER_REASON = (
     "(conftest sets it only where no CUDA device is visible)"
 )
 
+
+def old_interpreter_reason() -> str | None:
+    """Why this Triton's interpreter cannot run smptk's persistent kernels, or None (None without triton).
+
+    The interpreter holds ``tl.program_id`` in a 1-element array; Triton 3.9 squeezes it before ``int()``
+    when it bounds a ``range``, Triton 3.6 does not, and NumPy 2 refuses ``int()`` of a 1-d array. So the
+    CPU interpreter is supported on Triton 3.9 (CI); Triton 3.6 (the GPU image) runs the kernels compiled.
+    """
+    from importlib import metadata
+
+    try:
+        version = tuple(int(p) for p in metadata.version("triton").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+    if version < (3, 9):
+        return (
+            f"Triton {version[0]}.{version[1]}'s interpreter cannot bound a range by tl.program_id under "
+            "NumPy 2 (int() of a 1-element array; Triton 3.9 squeezes it): interpreter runs need "
+            "Triton >= 3.9"
+        )
+    return None
+
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The devices a test runs on; the CUDA one carries the ``gpu`` marker, so it skips with CUDA_SKIP_REASON.
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]

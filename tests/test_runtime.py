@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import NO_INTERPRETER_REASON, check_fused_linear, check_swiglu, linear_inputs, swiglu_inputs
+from helpers import (
+    NO_INTERPRETER_REASON,
+    check_fused_linear,
+    check_swiglu,
+    linear_inputs,
+    old_interpreter_reason,
+    swiglu_inputs,
+)
 
 from smptk.kernels import _gemm, fused_linear, runtime, swiglu
 
@@ -318,6 +325,7 @@ def test_interpreter_set_after_import_is_a_clear_error():
 
 
 @pytest.mark.skipif(not runtime.triton_available(), reason="triton is not installed: no interpreter to set")
+@pytest.mark.skipif(old_interpreter_reason() is not None, reason=str(old_interpreter_reason()))
 def test_interpreter_unset_after_import_runs_torch_on_cpu():
     proc = _run_child(EARLY_THEN_UNSET, interpret=True)
     assert proc.returncode == 0 and "EARLY OK" in proc.stdout, proc.stderr[-4000:]
