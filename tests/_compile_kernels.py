@@ -38,15 +38,14 @@ Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``)
 - The GEMM engine (``smptk.kernels._gemm._gemm_kernel``, ids ``gemm-sm<arch>-<specialization id>``): not a
   table here but what the launchers produce, ``_gemm.specializations()``: per op kind (dense /
   rows-by-expert / reduction-by-expert, SwiGLU, two-pair dx, weight grads) and shipped config, the
-  heaviest epilogue; TMA variants in bf16, pointer variants in bf16 and fp32. Quick set: on sm_90 every TMA
-  variant (46); on sm_90 and on sm_80 (TMA needs sm_90) the pointer variants at each op kind's smallest
-  and largest config in bf16 and its smallest in fp32 (30 per arch, ``_quick_pointer``: the configs
-  between would add over half an hour of compiles on a 2-core machine, 5-20 s each in bf16 and 10-100 s in
-  fp32). Full set: ``specializations(full=True)`` (fp16 too, every epilogue) on every config, both archs.
-  Signatures as the specializations give them: pointers 16-byte aligned (``tt.divisibility = 16``; the
-  launcher's tensors are), sizes and strides i32 (Triton's launcher also pins integer arguments equal to 1
-  as constexprs and marks multiples of 16; the specializations do not carry that yet),
-  ``num_warps`` / ``num_stages`` from the config.
+  heaviest epilogue; TMA variants in bf16, pointer variants in bf16 and fp32 with TF32 off ("ieee") and on
+  ("tf32"). Quick set: on sm_90 every TMA variant (46); on sm_90 and on sm_80 (TMA needs sm_90) the
+  pointer variants at each op kind's smallest and largest config in bf16 and its smallest in each fp32
+  precision (40 per arch, ``_quick_pointer``). Full set: ``specializations(full=True)`` (fp16 too, every
+  epilogue) on every config, both archs. Signatures as Triton's launcher specializes the ops' launches
+  (``Specialization``): the unit strides and a dense product's E = 1 are constexprs, the other sizes and
+  strides i32 with ``tt.divisibility = 16`` (multiples of 16), pointers 16-byte aligned; ``num_warps`` /
+  ``num_stages`` from the config.
 - ``_act_bwd_kernel`` (every activation x the STORE_DZ/COLSUM pairs the launcher uses, every dtype, one
   generic-stride variant), ``_colsum_kernel`` in every dtype, ``_swiglu_dh_kernel`` in bf16 (full: every
   dtype, generic strides, i64 rows), all from ``smptk.kernels._epilogue``.
@@ -214,15 +213,15 @@ _GEMM = "smptk.kernels._gemm:_gemm_kernel"
 
 def _quick_pointer(specs: list) -> set[str]:
     """Pointer-path specialization ids of the quick set: per op kind, bf16 at the smallest and the largest
-    config (by tile volume) and fp32 at the smallest. The configs between, fp16 and every epilogue are in the
-    full set: each pointer compile takes 5-20 s in bf16 and 10-100 s in fp32 (its ``tl.dot`` is an FMA loop
-    unrolled over the tile) on a 2-core machine, too many for every CI run."""
+    config (by tile volume) and fp32 at the smallest, with TF32 off and on. The configs between, fp16 and
+    every epilogue are in the full set (each pointer compile takes 1-5 s with Triton 3.9 on a 2-core
+    machine; the configs between are another 192 of them)."""
     by_kind: dict[tuple, list] = {}
     for s in specs:
         if s.path == "pointer":
-            by_kind.setdefault((s.name, s.dtype), []).append(s)
+            by_kind.setdefault((s.name, s.dtype, s.constexprs["PRECISION"]), []).append(s)
     keep = set()
-    for (_, dtype), group in by_kind.items():
+    for (_, dtype, _), group in by_kind.items():
         ranked = sorted(
             group, key=lambda s: (s.config.block_m * s.config.block_n * s.config.block_k, s.config.warps)
         )
@@ -242,13 +241,13 @@ def _gemm_variants(arch: int, specs: list, full: bool) -> list[Variant]:
             continue
         ptrs = {name: t for name, t in s.signature().items() if t.startswith("*")}
         c = s.config
-        # fp32 "ieee" products are FMA loops, unrolled over the whole tile: the slowest compiles by far.
+        # fp32 "ieee" products are FMA loops unrolled over the tile: the slowest compiles.
         cost = c.block_m * c.block_n * (2 if s.constexprs["DUAL"] == 2 else 1) // 256
-        cost *= 8 if s.dtype == "fp32" else 1
+        cost *= 8 if s.constexprs["PRECISION"] == "ieee" else 1
         out.append(
             _variant(
-                f"gemm-sm{arch}-{s.id}", _GEMM, arch, ptrs, s.constexprs, list(ptrs), c.warps, c.stages, cost,
-                gemm_path=s.path, dtype=s.dtype,
+                f"gemm-sm{arch}-{s.id}", _GEMM, arch, ptrs, s.constexprs, [*ptrs, *s.aligned], c.warps,
+                c.stages, cost, gemm_path=s.path, dtype=s.dtype,
             )
         )  # fmt: skip
     return out

@@ -111,21 +111,53 @@ _TMA_SWIGLU_CONFIGS = (
     Config(128, 64, 64, 4, 8),
     Config(64, 128, 64, 4, 4),
 )
-# Pointer path (sm_80, fp32, unaligned): the tile shapes of Triton's matmul tutorial. Untuned on our suite.
+# Pointer path (sm_80; fp32; operands TMA cannot take): Triton's matmul-tutorial tiles, cut to what ptxas fits
+# in registers under every op kind's heaviest epilogue on sm_80 and sm_90 (Triton 3.9; CI:
+# tests/test_kernels_compile.py, every config with SMPTK_COMPILE_ALL=1): at most 64 fp32 accumulators a
+# thread (SwiGLU's two count twice), the 128x128 tiles' epilogue in halves (EPI_SUB=2). Out for spilling
+# (with vectorized loads): 128x256x64 / 8 warps (up to 2.2 KB, 1.1 KB with EPI_SUB=2), 128x128x32 / 4 warps
+# (up to 2.1 KB), SwiGLU's 128x128x64 / 8 warps (up to 0.7 KB, 0.4 KB with EPI_SUB=2). The 16-bit dx / dw
+# products still spill: their loads along a clamped unit-stride dim do not vectorize (KNOWN_POINTER_SPILLS
+# in that test). Untuned for speed on our suite.
 _PTR_CONFIGS = (
-    Config(128, 256, 64, 3, 8),
-    Config(128, 128, 64, 4, 8),
-    Config(128, 128, 32, 4, 4),
-    Config(128, 64, 64, 4, 4),
-    Config(64, 128, 64, 4, 4),
-    Config(64, 64, 64, 4, 4),
+    Config(128, 128, 64, 4, 8, epi_sub=2),
+    Config(128, 128, 32, 4, 8, epi_sub=2),
+    Config(128, 64, 64, 4, 8),
+    Config(64, 128, 64, 4, 8),
+    Config(64, 64, 64, 3, 4),
     Config(32, 64, 64, 5, 2),
 )
 _PTR_SWIGLU_CONFIGS = (
-    Config(128, 128, 64, 3, 8),
     Config(128, 64, 64, 4, 8),
-    Config(64, 128, 64, 4, 4),
+    Config(64, 128, 64, 4, 8),
     Config(64, 64, 64, 4, 4),
+)
+# fp32 with TF32 (tensor-core MMA): K steps of 32, a stage's bytes those of 16-bit at 64; 16 for 128x128 (at
+# 32: up to 172 B of spills).
+_PTR_TF32_CONFIGS = (
+    Config(128, 128, 16, 4, 8, epi_sub=2),
+    Config(128, 64, 32, 4, 8),
+    Config(64, 128, 32, 4, 8),
+    Config(64, 64, 32, 4, 4),
+    Config(32, 32, 32, 4, 2),
+)
+_PTR_TF32_SWIGLU_CONFIGS = (
+    Config(128, 64, 32, 4, 8),
+    Config(64, 64, 32, 4, 4),
+)
+# IEEE fp32 (TF32 off: an FMA loop): K steps of 8. Each thread holds its rows and columns of both operands
+# for a whole K step: at 32 every tile spilled for some op kind (up to 4.8 KB), at 16 every one tried
+# (up to 0.3 KB).
+_PTR_IEEE_CONFIGS = (
+    Config(128, 128, 8, 4, 8),
+    Config(64, 128, 8, 3, 8),
+    Config(64, 64, 8, 3, 4),
+    Config(32, 64, 8, 3, 4),
+)
+_PTR_IEEE_SWIGLU_CONFIGS = (
+    Config(64, 128, 8, 4, 8),
+    Config(64, 64, 8, 4, 8),
+    Config(32, 64, 8, 4, 4),
 )
 # Interpreter: 32-wide tiles are the smallest that keep tl.dot's minimum (16) with room for masked tails
 # at the tests' odd sizes; the epilogue runs in halves so that path is tested too.
@@ -467,10 +499,14 @@ def _choose_tma(device: torch.device, dtype: torch.dtype, operands: list[tuple] 
     return all(_tma_operand_ok(*op) for op in operands)
 
 
-def _fp32(configs: tuple[Config, ...]) -> tuple[Config, ...]:
-    """fp32 operands take the same tiles with half the K step: the same shared-memory bytes per stage as
-    16-bit at BLOCK_K=64 (without it the default SwiGLU tile asks for more than sm_90's 227 KB)."""
-    return tuple(dataclasses.replace(c, block_k=min(c.block_k, 32)) for c in configs)
+def _ptr_configs(dual: int, fp32: str | None) -> tuple[Config, ...]:
+    """The pointer path's configs: 16-bit operands (``fp32`` None) or fp32 with ``fp32`` "tf32" / "ieee"."""
+    swiglu = dual == DUAL_SWIGLU
+    if fp32 == "ieee":
+        return _PTR_IEEE_SWIGLU_CONFIGS if swiglu else _PTR_IEEE_CONFIGS
+    if fp32 == "tf32":
+        return _PTR_TF32_SWIGLU_CONFIGS if swiglu else _PTR_TF32_CONFIGS
+    return _PTR_SWIGLU_CONFIGS if swiglu else _PTR_CONFIGS
 
 
 def _configs(tma: bool, dual: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Config, ...]:
@@ -478,8 +514,7 @@ def _configs(tma: bool, dual: int, dtype: torch.dtype = torch.bfloat16) -> tuple
         return (_INTERPRETER_CONFIG,)
     if tma:
         return _TMA_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _TMA_CONFIGS
-    configs = _PTR_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _PTR_CONFIGS
-    return _fp32(configs) if dtype == torch.float32 else configs
+    return _ptr_configs(dual, input_precision(dtype) if dtype == torch.float32 else None)
 
 
 def _default_config(configs: tuple[Config, ...], M: int, C: int) -> Config:
@@ -865,30 +900,29 @@ def specializations(*, full: bool = False) -> Iterator[Specialization]:
     ``full``); pointer variants bf16, fp32 with TF32 off ("ieee") and on ("tf32", as ``input_precision``
     reads torch's flag), and fp16 with ``full``.
     """
+    tma_dtypes = [("bf16", "tf32"), ("fp16", "tf32")] if full else [("bf16", "tf32")]
+    ptr_dtypes = [("bf16", "tf32"), ("fp32", "ieee"), ("fp32", "tf32"), ("fp16", "tf32")][: 4 if full else 3]
     for name, grouping, dual, a_t, b_t, a2_t, b2_t, epilogues in _KINDS:
         epis = epilogues if full else [_heaviest(epilogues)]
         unit = _unit_ints(grouping, dual, a_t, b_t, a2_t, b2_t)
-        aligned = _aligned_ints(grouping, unit)
-        tma_dtypes = [("bf16", "tf32"), ("fp16", "tf32")] if full else [("bf16", "tf32")]
-        ptr_dtypes = [("bf16", "tf32"), ("fp32", "ieee"), ("fp32", "tf32")] + (
-            [("fp16", "tf32")] if full else []
-        )
         for path, dtypes in (("tma", tma_dtypes), ("pointer", ptr_dtypes)):
             tma = path == "tma"
-            configs = (_TMA_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _TMA_CONFIGS) if tma else (
-                _PTR_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _PTR_CONFIGS)  # fmt: skip
-            for (dtype, precision), cfg, (act, bias, z, rowsum) in itertools.product(dtypes, configs, epis):
-                if dtype == "fp32":
-                    cfg = _fp32((cfg,))[0]
-                yield Specialization(
-                    name=name if len(epis) == 1 else f"{name}-a{act}b{int(bias)}z{int(z)}r{int(rowsum)}",
-                    path=path, dtype=dtype, config=cfg, aligned=aligned,
-                    constexprs=dict(
-                        GROUPING=grouping, DUAL=dual, ACTIVATION=act, HAS_BIAS=bias, STORE_Z=z, ROWSUM=rowsum,
-                        TMA=tma, A_T=tma and a_t, B_T=tma and b_t, A2_T=tma and a2_t, B2_T=tma and b2_t,
-                        PRECISION=precision, EXPERT_BLOCK=_EXPERT_BLOCK, **cfg.meta(), **unit,
-                    ),
-                )  # fmt: skip
+            for dtype, precision in dtypes:
+                if tma:
+                    configs = _TMA_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _TMA_CONFIGS
+                else:
+                    configs = _ptr_configs(dual, precision if dtype == "fp32" else None)
+                for cfg, (act, bias, z, rowsum) in itertools.product(configs, epis):
+                    yield Specialization(
+                        name=name if len(epis) == 1 else f"{name}-a{act}b{int(bias)}z{int(z)}r{int(rowsum)}",
+                        path=path, dtype=dtype, config=cfg, aligned=_aligned_ints(grouping, unit),
+                        constexprs=dict(
+                            GROUPING=grouping, DUAL=dual, ACTIVATION=act, HAS_BIAS=bias, STORE_Z=z,
+                            ROWSUM=rowsum, TMA=tma, A_T=tma and a_t, B_T=tma and b_t, A2_T=tma and a2_t,
+                            B2_T=tma and b2_t, PRECISION=precision, EXPERT_BLOCK=_EXPERT_BLOCK, **cfg.meta(),
+                            **unit,
+                        ),
+                    )  # fmt: skip
 
 
 __all__ = [
