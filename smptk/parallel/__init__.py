@@ -3,10 +3,23 @@
 Imports go one way (kernels <- comm <- parallel). Each capability arrives with its own issue (see
 DESIGN.md, "Public surface"); what is here today:
 
+- :class:`ParallelConfig` and :func:`init` (:mod:`smptk.parallel.config`): the config keys of managed
+  model-parallel libraries, checked against the world size, and one DeviceMesh with dims
+  ``(dp_replicate, dp_shard, tp)`` plus the flattened ``dp`` and the expert mesh ``(dp_replicate,
+  edp_shard, ep, tp)``; :func:`current` returns the :class:`ParallelState` (meshes, groups, this rank's
+  coordinates, seeds) that layers read, :func:`reset` forgets it.
 - :class:`MoE`: router + SwiGLU experts (+ shared experts), one device or expert-parallel over a process
   group, on smptk's MoE kernels and ``smptk.comm.all_to_all_single``.
 """
 
+from smptk.parallel.config import (
+    ParallelConfig,
+    ParallelState,
+    current,
+    init,
+    is_initialized,
+    reset,
+)
 from smptk.parallel.moe import MoE
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "ParallelConfig", "ParallelState", "current", "init", "is_initialized", "reset"]

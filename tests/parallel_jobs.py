@@ -1,0 +1,48 @@
+"""Per-rank jobs for ``tests/test_parallel_config.py``: the meshes ``smptk.parallel.init`` builds on gloo.
+
+One job builds the meshes of several configs one after another in the same gloo process group (process
+start-up is the expensive part of a job) and returns, per config, what the pytest process compares with
+the documented layout: for every dim the members of this rank's group as a real collective over that
+group sees them, the members torch lists for it, this rank's coordinates, its seeds, and the
+``smptk.comm`` max_sms in force.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEED_DIMS = ((), ("tp",), ("dp",), ("ep",), ("dp", "tp"), ("tp", "dp"))
+
+
+def mesh_layouts(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    import smptk.comm as comm
+    import smptk.parallel as parallel
+    from smptk.parallel.config import DIM_NAMES
+
+    out = []
+    for cfg in configs:
+        state = parallel.init(cfg)
+        members = {}
+        for dim in DIM_NAMES:
+            group = state.group(dim)
+            size = dist.get_world_size(group)
+            gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+            dist.all_gather(gathered, torch.tensor([rank]), group=group)
+            members[dim] = tuple(int(t) for t in gathered)
+        out.append(
+            {
+                "members": members,
+                "ranks": {dim: state.ranks(dim) for dim in DIM_NAMES},
+                "coords": dict(state.coords),
+                "sizes": dict(state.sizes),
+                "seeds": {dims: state.seed_for(*dims) for dims in SEED_DIMS},
+                "max_sms": comm.settings()["max_sms"],
+                "rank": state.rank,
+                "world_size": state.world_size,
+                "device_type": state.device_type,
+            }
+        )
+    parallel.reset()
+    out.append({"max_sms_after_reset": comm.settings()["max_sms"]})
+    return out
