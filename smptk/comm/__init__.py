@@ -7,6 +7,10 @@ Same call shapes as torch.distributed; ``max_sms`` bounds the SMs (programs) a c
 - :func:`configure` / :func:`settings` (``max_sms``, ``timeout_s``, ``heap_bytes``; environment variables
   SMPTK_COMM_MAX_SMS, SMPTK_COMM_TIMEOUT_S, SMPTK_COMM_HEAP_BYTES), :func:`last_path`, :func:`reset`,
   :func:`check`.
+- :mod:`smptk.comm.functional`: the same collectives as out-of-place autograd ops whose backward is
+  the matching collective (all_gather, reduce_scatter, all_reduce, all_to_all, copy_to_group,
+  reduce_from_group), along any dimension, taking a ProcessGroup or a DeviceMesh dimension. A module
+  of its own because its ``all_reduce`` is not the in-place one above.
 - :class:`CommTimeoutError` when a peer never arrives; :class:`CommMismatchError` when ranks make
   different calls (collective, dtype, size, op, algorithm or max_sms); :class:`CommError`
   for an unusable heap.
@@ -15,6 +19,7 @@ The symmetric heap (:mod:`smptk.comm.heap`) uses torch symmetric memory on CUDA 
 on CPU, where the same Triton kernels run under ``TRITON_INTERPRET=1``.
 """
 
+from smptk.comm import functional
 from smptk.comm.collectives import (
     CommError,
     CommMismatchError,
@@ -39,6 +44,7 @@ __all__ = [
     "all_to_all_single",
     "check",
     "configure",
+    "functional",
     "last_path",
     "reduce_scatter_tensor",
     "reset",

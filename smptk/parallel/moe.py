@@ -64,26 +64,6 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` to peers with ``smptk.comm.all_to_all_single``; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, x_RH, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, peak: int):
-        ctx.splits, ctx.group, ctx.peak = (out_splits, in_splits), group, peak
-        out = x_RH.new_empty(sum(out_splits), *x_RH.shape[1:])
-        comm.all_to_all_single(out, x_RH.contiguous(), out_splits, in_splits, group, agreed_max_split=peak)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout_RH):
-        out_splits, in_splits = ctx.splits
-        dx = dout_RH.new_empty(sum(in_splits), *dout_RH.shape[1:])
-        comm.all_to_all_single(
-            dx, dout_RH.contiguous(), in_splits, out_splits, ctx.group, agreed_max_split=ctx.peak
-        )
-        return dx, None, None, None, None
-
-
 def expert_major_order(counts_RE: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Permutation from (source rank, expert) row order to (expert, source rank) order, and the offsets.
 
@@ -302,12 +282,13 @@ class MoE(nn.Module):
         send = counts[me]
         recv = [counts[s][me] for s in range(R)]
         peak = max(max(row) for row in counts)  # the same on every rank: no split exchange in the all-to-alls
-        x_recv = _AllToAll.apply(x_grouped, recv, send, g, peak)  # rows ordered (source rank, local expert)
+        # rows ordered (source rank, local expert); the backward sends the gradients back, also without a sync
+        x_recv = comm.functional.all_to_all(x_grouped, g, recv, send, agreed_max_split=peak)
         recv_counts = every_RE[:, me * E_l : (me + 1) * E_l]
         index, offsets = expert_major_order(recv_counts, sum(recv))
         y_local = self._experts(x_recv.index_select(0, index), offsets)
         y_recv = y_local.new_empty(y_local.shape).index_copy(0, index, y_local)
-        return _AllToAll.apply(y_recv, send, recv, g, peak)
+        return comm.functional.all_to_all(y_recv, g, send, recv, agreed_max_split=peak)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -1,0 +1,428 @@
+"""Differentiable collectives: smptk's collectives as autograd ops, out of place, along any dimension.
+
+Legend: W ranks in the group, r this rank's index in it, ``x`` this rank's input, ``y`` its output,
+``g`` the gradient arriving at ``y``, ``d = x.shape[dim]``.
+
+- :func:`all_gather`: ``y = cat([x_0 .. x_{W-1}], dim)``, ``d -> W * d``; backward: the
+  reduce-scatter (sum) of ``g``.
+- :func:`reduce_scatter`: block r along ``dim`` of ``op(x_0 .. x_{W-1})``, ``W * b -> b``; backward:
+  the all-gather of ``g`` (see ``op`` below).
+- :func:`all_reduce`: ``y = op(x_0 .. x_{W-1})``, out of place; backward: the all-reduce of ``g``.
+- :func:`all_to_all`: rows of ``x`` (dim 0) to each rank by uneven splits; backward: the all-to-all
+  with the splits swapped.
+- :func:`copy_to_group`: identity (``x`` replicated on every rank); backward: the all-reduce (sum) of
+  ``g``.
+- :func:`reduce_from_group`: ``y = sum(x_0 .. x_{W-1})``; backward: identity.
+
+Gradient convention. Each rank's backward seeds the gradient of its own output, and the gradient of
+an input is the sum of what every rank's output contributes to it: the objective is the sum of the
+ranks' losses, as when the computation after the collective differs between ranks (each rank holds a
+different weight shard, or computes its own loss). The first four ops follow it. Tensor parallelism
+also has regions where the computation after an all-reduce is replicated, every rank then holds the
+same, whole gradient, and the loss counts once: :func:`reduce_from_group` (backward: identity) is the
+all-reduce for that case, and :func:`copy_to_group` is its mirror, the entry into such a region
+(Megatron-LM's "copy to / reduce from tensor-parallel region"). ``all_reduce(op="sum")`` there would
+count the gradient W times.
+
+``op`` of :func:`reduce_scatter` and :func:`all_reduce`: "sum"; "avg" (the sum divided by W; its
+backward is the gradient's all-gather / all-reduce divided by W); "max" and "min" take the subgradient
+that ``torch.amax`` / ``torch.amin`` take: the summed gradient of an output element goes to the inputs
+equal to it, split evenly between ties (an element whose result is NaN gets none). That backward runs
+two collectives for reduce_scatter (an all-gather of the outputs with their gradients, an all-reduce
+of the tie counts) and one for all_reduce (the gradients and tie counts, stacked).
+
+``group`` of every op (:func:`resolve_group` turns it into a ProcessGroup):
+
+- a ``torch.distributed.ProcessGroup``;
+- a 1-D ``DeviceMesh`` (its only dimension);
+- ``(mesh, dim)``: a dimension of a DeviceMesh by name (``(mesh, "tp")``) or index;
+- None: the default (world) group.
+
+Every op routes through :mod:`smptk.comm.collectives`, so the symmetric heap, its torch.distributed
+fallback and ``max_sms`` apply, and :func:`smptk.comm.last_path` names the path of the last collective
+run (forward or backward). Inputs need not be contiguous: the op moves ``dim`` to the front, makes the
+tensor contiguous, runs the collective and moves the dimension back; outputs are contiguous. All
+ranks must call with the same shapes apart from ``d`` where the op allows it (all_to_all's rows).
+Backward is differentiable once (a second derivative raises).
+
+Example (every rank of a 4-rank job, a ``(2, 2)`` mesh named ``("dp", "tp")``)::
+
+    >>> import smptk.comm.functional as F
+    >>> x = torch.randn(8, 6, requires_grad=True)
+    >>> y = F.all_gather(x, (mesh, "tp"), dim=1)         # [8, 12]
+    >>> z = F.reduce_scatter(y, (mesh, "tp"), dim=0)     # [4, 12]
+    >>> z.sum().backward()                               # x.grad: [8, 6]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+from torch.distributed.device_mesh import DeviceMesh
+
+from smptk.comm import collectives
+
+OPS = ("sum", "avg", "max", "min")
+
+GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str | int] | None  # see resolve_group
+Splits = Sequence[int] | torch.Tensor | None
+
+
+def resolve_group(group: GroupLike) -> dist.ProcessGroup:
+    """The ProcessGroup that ``group`` names: a ProcessGroup, a 1-D DeviceMesh, ``(mesh, dim)`` or None.
+
+    ``dim`` of a mesh is a dimension name (``"tp"``) or an index; None is the default group.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        >>> dist.get_world_size(resolve_group((mesh, "tp")))
+        4
+    """
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group: a DeviceMesh with {group.ndim} dimensions {_mesh_dims(group)} needs one of "
+                "them named: pass (mesh, dim_name)"
+            )
+        return collectives._group(group.get_group())
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, mesh_dim = group
+        names = mesh.mesh_dim_names or ()
+        if isinstance(mesh_dim, str):
+            if mesh_dim not in names:
+                raise ValueError(f"group: the mesh has no dimension {mesh_dim!r}; its dimensions are {names}")
+        elif isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool):
+            if not 0 <= mesh_dim < mesh.ndim:
+                raise ValueError(f"group: mesh dimension {mesh_dim} is out of range for a {mesh.ndim}-D mesh")
+        else:
+            raise TypeError(f"group: a mesh dimension is a name or an index, got {mesh_dim!r}")
+        return collectives._group(mesh.get_group(mesh_dim))
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or isinstance(group, dist.ProcessGroup):
+        return collectives._group(group)  # None: the default group; checks this rank is a member
+    raise TypeError(
+        "group: expected a ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, dim name or index) pair or None, "
+        f"got {type(group).__name__}"
+    )
+
+
+def _mesh_dims(mesh) -> tuple:
+    return tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else tuple(range(mesh.ndim))
+
+
+def _check_x(x: object, *, min_dim: int = 0) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(f"x: expected at least {min_dim} dimension(s), got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_dim(x: torch.Tensor, dim: object) -> int:
+    """``dim`` as an index in ``0 .. x.dim() - 1`` (negative counts from the end)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int, got {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: {dim} is out of range for x of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _check_op(op: object) -> str:
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+    return op
+
+
+def _front(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with ``dim`` moved to dimension 0, contiguous (no copy when it already is)."""
+    return t.movedim(dim, 0).contiguous()
+
+
+def _back(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of :func:`_front`: dimension 0 of the contiguous ``t`` back to ``dim``, contiguous."""
+    return t.movedim(0, dim).contiguous()
+
+
+def _gather_front(x_front: torch.Tensor, group: dist.ProcessGroup, max_sms: int | None) -> torch.Tensor:
+    """All-gather along dim 0 of a contiguous ``[d, ...]`` tensor: ``[W * d, ...]``, rank-major."""
+    world = dist.get_world_size(group)
+    out = x_front.new_empty((world * x_front.shape[0], *x_front.shape[1:]))
+    collectives.all_gather_into_tensor(out, x_front, group, max_sms=max_sms)
+    return out
+
+
+def _scatter_front(
+    x_front: torch.Tensor, group: dist.ProcessGroup, op: str, max_sms: int | None
+) -> torch.Tensor:
+    """Reduce-scatter along dim 0 of a contiguous ``[W * b, ...]`` tensor: block r, ``[b, ...]``."""
+    world = dist.get_world_size(group)
+    out = x_front.new_empty((x_front.shape[0] // world, *x_front.shape[1:]))
+    collectives.reduce_scatter_tensor(out, x_front, op, group, max_sms=max_sms)
+    return out
+
+
+def _all_reduced(t: torch.Tensor, group: dist.ProcessGroup, op: str, max_sms: int | None) -> torch.Tensor:
+    """An all-reduced contiguous copy of ``t`` (``t`` itself is left alone)."""
+    out = t.clone(memory_format=torch.contiguous_format)
+    collectives.all_reduce(out, op, group, max_sms=max_sms)
+    return out
+
+
+def _share(counts: torch.Tensor, mask: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``total / counts`` where ``mask`` holds, 0 elsewhere (also where ``total`` is inf or NaN)."""
+    return torch.where(mask, total / counts.clamp_min(1), torch.zeros((), dtype=total.dtype))
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, max_sms):
+        ctx.group, ctx.dim, ctx.max_sms = group, dim, max_sms
+        return _back(_gather_front(_front(x, dim), group, max_sms), dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return (
+            _back(_scatter_front(_front(g, ctx.dim), ctx.group, "sum", ctx.max_sms), ctx.dim),
+            None,
+            None,
+            None,
+        )
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, op, max_sms):
+        ctx.group, ctx.dim, ctx.op, ctx.max_sms = group, dim, op, max_sms
+        y = _back(_scatter_front(_front(x, dim), group, op, max_sms), dim)
+        if op in ("max", "min"):
+            ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        group, dim, op, max_sms = ctx.group, ctx.dim, ctx.op, ctx.max_sms
+        world = dist.get_world_size(group)
+        if op in ("sum", "avg"):
+            dx = _back(_gather_front(_front(g, dim), group, max_sms), dim)
+            return (dx / world if op == "avg" else dx), None, None, None, None
+        # max / min: every rank learns every block's result and gradient, keeps its inputs equal to the
+        # result, and splits each gradient over the ranks that tie for it.
+        x, y = ctx.saved_tensors
+        x_front = _front(x, dim)
+        pair = torch.stack([_front(y, dim), _front(g, dim).to(y.dtype)])  # [2, d / W, ...]
+        both = x.new_empty((world * 2, *pair.shape[1:]))  # [W * 2, ...]: what every path accepts
+        collectives.all_gather_into_tensor(both, pair, group, max_sms=max_sms)
+        both = both.view(world, *pair.shape)
+        y_all = both[:, 0].reshape(x_front.shape)
+        g_all = both[:, 1].reshape(x_front.shape)
+        mask = x_front == y_all
+        counts = _all_reduced(mask.to(g.dtype), group, "sum", max_sms)
+        dx = _share(counts, mask, g_all.to(g.dtype))
+        return _back(dx, dim), None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, op, max_sms):
+        ctx.group, ctx.op, ctx.max_sms = group, op, max_sms
+        y = _all_reduced(x, group, op, max_sms)
+        if op in ("max", "min"):
+            ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        group, op, max_sms = ctx.group, ctx.op, ctx.max_sms
+        if op in ("sum", "avg"):
+            return _all_reduced(g, group, op, max_sms), None, None, None
+        x, y = ctx.saved_tensors
+        mask = x == y
+        both = _all_reduced(torch.stack([g, mask.to(g.dtype)]), group, "sum", max_sms)  # [2, *shape]
+        return _share(both[1], mask, both[0]), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, max_sms, agreed_max_split):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        ctx.max_sms, ctx.agreed_max_split = max_sms, agreed_max_split
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = x.new_empty((rows, *x.shape[1:]))
+        collectives.all_to_all_single(
+            out,
+            x.contiguous(),
+            out_splits,
+            in_splits,
+            group,
+            max_sms=max_sms,
+            agreed_max_split=agreed_max_split,
+        )
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        rows = g.shape[0] if in_splits is None else sum(in_splits)
+        dx = g.new_empty((rows, *g.shape[1:]))
+        collectives.all_to_all_single(
+            dx,
+            g.contiguous(),
+            in_splits,
+            out_splits,
+            ctx.group,
+            max_sms=ctx.max_sms,
+            agreed_max_split=ctx.agreed_max_split,
+        )
+        return dx, None, None, None, None, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, max_sms):
+        ctx.group, ctx.max_sms = group, max_sms
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return _all_reduced(g, ctx.group, "sum", ctx.max_sms), None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, max_sms):
+        return _all_reduced(x, group, "sum", max_sms)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return g, None, None
+
+
+def all_gather(
+    x: torch.Tensor, group: GroupLike, *, dim: int = 0, max_sms: int | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order: ``[.., d, ..]`` -> ``[.., W * d, ..]``.
+
+    Every rank's ``x`` has the same shape. Backward: the reduce-scatter (sum) of the gradient along
+    ``dim``, so rank r receives the sum over ranks of the gradients of its block.
+
+    Example::
+
+        >>> y = all_gather(torch.full((2, 3), float(rank)), group, dim=1)     # [2, 3 * W]
+    """
+    x = _check_x(x, min_dim=1)
+    return _AllGather.apply(x, resolve_group(group), _check_dim(x, dim), max_sms)
+
+
+def reduce_scatter(
+    x: torch.Tensor, group: GroupLike, *, dim: int = 0, op: str = "sum", max_sms: int | None = None
+) -> torch.Tensor:
+    """``op`` of every rank's ``x``, keeping block r along ``dim``: ``[.., W * b, ..]`` -> ``[.., b, ..]``.
+
+    ``x.shape[dim]`` must be divisible by the group size W. Backward: the all-gather of the gradient
+    (divided by W for "avg"; the tie-split subgradient for "max" / "min", see the module docstring).
+
+    Example::
+
+        >>> y = reduce_scatter(torch.ones(5, 4 * W), group, dim=1)          # [5, 4], every element W
+    """
+    x = _check_x(x, min_dim=1)
+    g = resolve_group(group)
+    d = _check_dim(x, dim)
+    world = dist.get_world_size(g)
+    if x.shape[d] % world:
+        raise ValueError(
+            f"x: dim {d} has size {x.shape[d]}, which is not divisible by the group size {world} "
+            f"(shape {tuple(x.shape)})"
+        )
+    return _ReduceScatter.apply(x, g, d, _check_op(op), max_sms)
+
+
+def all_reduce(
+    x: torch.Tensor, group: GroupLike, *, op: str = "sum", max_sms: int | None = None
+) -> torch.Tensor:
+    """``op`` of every rank's ``x``, out of place (``x`` is left alone); the same shape on every rank.
+
+    Backward: the all-reduce (sum) of the gradient for "sum", its average for "avg", the tie-split
+    subgradient for "max" / "min" (module docstring). For an all-reduce whose consumers are replicated,
+    with the loss counted once (a tensor-parallel region), use :func:`reduce_from_group`.
+
+    Example::
+
+        >>> m = all_reduce(scores, group, op="max")
+    """
+    x = _check_x(x)
+    return _AllReduce.apply(x, resolve_group(group), _check_op(op), max_sms)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: GroupLike,
+    output_split_sizes: Splits = None,
+    input_split_sizes: Splits = None,
+    *,
+    max_sms: int | None = None,
+    agreed_max_split: int | None = None,
+) -> torch.Tensor:
+    """Rows ``input_split_sizes[d]`` of ``x`` (dim 0, in order) go to rank d; rank q's arrive in block q.
+
+    Splits are lists of row counts per rank, 1-D integer tensors (read on the host once, in the
+    forward) or None (equal splits; the output then has ``x.shape[0]`` rows). As in
+    ``dist.all_to_all_single``, rank r's ``input_split_sizes[d]`` must equal rank d's
+    ``output_split_sizes[r]`` (checked by the collective: :class:`smptk.comm.CommMismatchError`).
+    ``agreed_max_split``: the largest split any rank sends, in rows, when every rank knows it and passes
+    the same value; forward and backward then skip the collective's split exchange and its host read
+    (see :func:`smptk.comm.all_to_all_single`). Output: ``[sum(output_split_sizes), *x.shape[1:]]``.
+    Backward: the same exchange with the splits swapped.
+
+    Example::
+
+        >>> y = all_to_all(x, group, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+    """
+    x = _check_x(x, min_dim=1)
+    g = resolve_group(group)
+    out_splits = _host_splits("output_split_sizes", output_split_sizes)
+    in_splits = _host_splits("input_split_sizes", input_split_sizes)
+    return _AllToAll.apply(x, g, out_splits, in_splits, max_sms, agreed_max_split)
+
+
+def _host_splits(name: str, sizes: Splits) -> list[int] | None:
+    """Splits as a Python list (one host read of a tensor), so the backward reuses them without a sync;
+    their values are checked by the collective."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, torch.Tensor):
+        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex():
+            raise ValueError(
+                f"{name}: a tensor of split sizes must be 1-D integer, got {sizes.dtype} {tuple(sizes.shape)}"
+            )
+        return sizes.tolist()
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"{name}: expected a sequence of ints, a 1-D integer tensor or None, got {sizes!r}")
+    return list(sizes)
+
+
+def copy_to_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None = None) -> torch.Tensor:
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``.
+
+    The entry into a region where each rank computes a different part from the same, replicated ``x``
+    (a column-parallel linear's input): ``x``'s gradient is the sum of every rank's part.
+    """
+    return _CopyToGroup.apply(_check_x(x), resolve_group(group), max_sms)
+
+
+def reduce_from_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None = None) -> torch.Tensor:
+    """All-reduce (sum) forward, out of place; identity backward.
+
+    The exit from a tensor-parallel region (a row-parallel linear's partial outputs): what follows is
+    replicated on every rank, so every rank holds the whole gradient already and passes it through.
+    """
+    return _ReduceFromGroup.apply(_check_x(x), resolve_group(group), max_sms)
