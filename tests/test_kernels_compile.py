@@ -14,9 +14,7 @@ Checks, one test per variant, so a failure names the kernel, the target, the spe
 - ``test_kernel_compiles``: every variant (GEMM engine, epilogue kernels, collectives, MoE routing and
   dispatch) compiles to a cubin.
 - ``test_gemm_no_spills``: every GEMM engine variant (both load paths on sm_90, the pointer path on sm_80;
-  which configs the quick set takes: ``_compile_kernels.py``): ptxas spills 0 bytes. The pointer variants
-  that spill today are listed in ``KNOWN_POINTER_SPILLS`` and xfail strictly, with their numbers in the
-  failure text.
+  which configs the quick set takes: ``_compile_kernels.py``): ptxas spills 0 bytes.
 - ``test_gemm_tma_instructions``: every TMA variant (sm_90, 16-bit) multiplies with ``wgmma.mma_async``
   and both loads and stores its tiles with ``cp.async.bulk.tensor``.
 
@@ -53,28 +51,6 @@ from smptk.kernels import _gemm, runtime
 VARIANTS = {v.id: v for v in ck.variants()}
 GEMM_IDS = [vid for vid, v in VARIANTS.items() if v.gemm_path]
 TMA_IDS = [vid for vid in GEMM_IDS if VARIANTS[vid].gemm_path == "tma"]
-# Pointer-path variants of the quick set that spill: 12 of its 80 (ids less "gemm-"; Triton 3.9, ptxas 13.4),
-# the bf16 products whose unit stride is on a dim the kernel's loads clamp (B's columns in dx, A's rows and
-# B's columns in dw: ``tl.minimum(col0 + arange, C - 1)``). A clamped index has no provable contiguity, so
-# those loads stay 2-byte scalar loads, held in registers across the pipeline stages: linear_dx 32x64x64 on
-# sm_80, 10.8 KB of spill stores at 32 registers. Wrapping the index instead (``% C`` under
-# ``tl.max_contiguous`` / ``tl.multiple_of``, as Triton's matmul tutorial does) took every shipped pointer
-# config of every op kind to 0 spills on both archs in a trial. Strict: a variant that stops spilling fails
-# until it leaves here.
-KNOWN_POINTER_SPILLS = frozenset({
-    "sm80-grouped_dw-pointer-bf16-128x128x64-s4-w8-e2",
-    "sm80-grouped_dw-pointer-bf16-32x64x64-s5-w2-e1",
-    "sm80-linear_dw-pointer-bf16-128x128x64-s4-w8-e2",
-    "sm80-linear_dw-pointer-bf16-32x64x64-s5-w2-e1",
-    "sm80-linear_dx-pointer-bf16-128x128x64-s4-w8-e2",
-    "sm80-linear_dx-pointer-bf16-32x64x64-s5-w2-e1",
-    "sm90-grouped_dw-pointer-bf16-128x128x64-s4-w8-e2",
-    "sm90-grouped_dw-pointer-bf16-32x64x64-s5-w2-e1",
-    "sm90-linear_dw-pointer-bf16-128x128x64-s4-w8-e2",
-    "sm90-linear_dw-pointer-bf16-32x64x64-s5-w2-e1",
-    "sm90-linear_dx-pointer-bf16-128x128x64-s4-w8-e2",
-    "sm90-linear_dx-pointer-bf16-32x64x64-s5-w2-e1",
-})  # fmt: skip
 _COMPILE_TESTS = ("test_kernel_compiles", "test_gemm_no_spills", "test_gemm_tma_instructions")
 
 
@@ -115,17 +91,8 @@ def test_kernel_compiles(compile_results: dict[str, dict], variant_id: str) -> N
     _compiled(compile_results, variant_id)
 
 
-def _spill_params() -> list:
-    reason = "known pointer-path spill (KNOWN_POINTER_SPILLS: scalar loads along a clamped unit-stride dim)"
-    mark = pytest.mark.xfail(strict=True, reason=reason)
-    return [
-        pytest.param(vid, marks=mark) if vid.removeprefix("gemm-") in KNOWN_POINTER_SPILLS else vid
-        for vid in GEMM_IDS
-    ]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant_id", _spill_params())
+@pytest.mark.parametrize("variant_id", GEMM_IDS)
 def test_gemm_no_spills(compile_results: dict[str, dict], variant_id: str) -> None:
     """A spill is a local-memory round trip in the K loop or the epilogue: no shipped config may have one."""
     r = _compiled(compile_results, variant_id)

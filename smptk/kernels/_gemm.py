@@ -116,9 +116,9 @@ _TMA_SWIGLU_CONFIGS = (
 # tests/test_kernels_compile.py, every config with SMPTK_COMPILE_ALL=1): at most 64 fp32 accumulators a
 # thread (SwiGLU's two count twice), the 128x128 tiles' epilogue in halves (EPI_SUB=2). Out for spilling
 # (with vectorized loads): 128x256x64 / 8 warps (up to 2.2 KB, 1.1 KB with EPI_SUB=2), 128x128x32 / 4 warps
-# (up to 2.1 KB), SwiGLU's 128x128x64 / 8 warps (up to 0.7 KB, 0.4 KB with EPI_SUB=2). The 16-bit dx / dw
-# products still spill: their loads along a clamped unit-stride dim do not vectorize (KNOWN_POINTER_SPILLS
-# in that test). Untuned for speed on our suite.
+# (up to 2.1 KB), SwiGLU's 128x128x64 / 8 warps (up to 0.7 KB, 0.4 KB with EPI_SUB=2). Tails are masked, not
+# clamped, so loads along either unit-stride dim vectorize (clamped, the 16-bit dx / dw products loaded
+# 2-byte scalars and spilled up to 10.8 KB). Untuned for speed on our suite.
 _PTR_CONFIGS = (
     Config(128, 128, 64, 4, 8, epi_sub=2),
     Config(128, 128, 32, 4, 8, epi_sub=2),
@@ -133,13 +133,13 @@ _PTR_SWIGLU_CONFIGS = (
     Config(64, 64, 64, 4, 4),
 )
 # fp32 with TF32 (tensor-core MMA): K steps of 32, a stage's bytes those of 16-bit at 64; 16 for 128x128 (at
-# 32: up to 172 B of spills).
+# 32: up to 172 B of spills). The smallest tile takes 4 warps: at 2 warps some op kinds spilled 4-12 B.
 _PTR_TF32_CONFIGS = (
     Config(128, 128, 16, 4, 8, epi_sub=2),
     Config(128, 64, 32, 4, 8),
     Config(64, 128, 32, 4, 8),
     Config(64, 64, 32, 4, 4),
-    Config(32, 32, 32, 4, 2),
+    Config(32, 32, 32, 4, 4),
 )
 _PTR_TF32_SWIGLU_CONFIGS = (
     Config(128, 64, 32, 4, 8),
@@ -148,10 +148,10 @@ _PTR_TF32_SWIGLU_CONFIGS = (
 # IEEE fp32 (TF32 off: an FMA loop): K steps of 16, the least tl.dot takes on Triton 3.6 (K=8 compiled on
 # 3.9 but raised "K >= 16" on the H100's 3.6). Each thread holds its rows and columns of both operands for a
 # whole K step, so the tiles are small: at K=32 every tile spilled for some op kind (up to 4.8 KB); 32x64x16
-# compiles without spills for every op kind on sm_80 and sm_90 (116-201 registers). Larger K=16 tiles are not
-# shipped until they are compile-checked and launched on a GPU.
+# compiles without spills for every op kind on sm_80 and sm_90 but SwiGLU's two accumulators (8-16 B), which
+# take 32x32x16. Larger K=16 tiles are not shipped until they are compile-checked and launched on a GPU.
 _PTR_IEEE_CONFIGS = (Config(32, 64, 16, 3, 4),)
-_PTR_IEEE_SWIGLU_CONFIGS = (Config(32, 64, 16, 3, 4),)
+_PTR_IEEE_SWIGLU_CONFIGS = (Config(32, 32, 16, 3, 4),)
 # Interpreter: 32-wide tiles are the smallest that keep tl.dot's minimum (16) with room for masked tails
 # at the tests' odd sizes; the epilogue runs in halves so that path is tested too.
 _INTERPRETER_CONFIG = Config(32, 32, 32, 1, 4, epi_sub=2, group_m=4)
@@ -363,25 +363,29 @@ def _gemm_kernel(
                         a2 = _load_a(a2_desc, m_i, r_i, A2_T)
                         acc = tl.dot(a2, _load_b(b2_desc, r_i, n_i, B2_T), acc, input_precision=PRECISION)
             else:
-                # Loads clamp tail rows onto the last valid row and tail columns onto the last column
-                # (results never stored), so the loop masks only the reduction tail and never reads
-                # another expert's rows.
-                rows_in = tl.minimum(row0 + tl.arange(0, BLOCK_M), row_end - 1)
-                cols_in = tl.minimum(col0 + tl.arange(0, BLOCK_N), C - 1)
+                # Tail rows and columns are masked, not clamped: with the row and column counts multiples
+                # of 16 (the launcher's specialization), a mask along the unit-stride dim is constant over
+                # 16 elements, so the loads stay 128-bit; a clamped index (tl.minimum(col0 + arange, C - 1))
+                # has no provable contiguity and made the 16-bit dx / dw loads scalar (and spill: linear_dx
+                # 32x64x64 on sm_80, 10.8 KB of spill stores). Masked rows also never read another expert's.
+                rows = row0 + tl.arange(0, BLOCK_M)
+                cols = col0 + tl.arange(0, BLOCK_N)
+                row_ok = rows < row_end
+                col_ok = cols < C
                 offs = tl.arange(0, BLOCK_K).to(tl.int64)
-                a_ptrs = a_ptr + rows_in[:, None] * s_am + (r_lo + offs)[None, :] * s_ar
-                b_ptrs = b_ptr + expert * s_be + (r_lo + offs)[:, None] * s_br + cols_in[None, :] * s_bc
-                b2_ptrs = b2_ptr + expert * s_b2e + (r_lo + offs)[:, None] * s_b2r + cols_in[None, :] * s_b2c
+                a_ptrs = a_ptr + rows[:, None] * s_am + (r_lo + offs)[None, :] * s_ar
+                b_ptrs = b_ptr + expert * s_be + (r_lo + offs)[:, None] * s_br + cols[None, :] * s_bc
+                b2_ptrs = b2_ptr + expert * s_b2e + (r_lo + offs)[:, None] * s_b2r + cols[None, :] * s_b2c
                 a_step = s_ar * BLOCK_K  # int64 steps: with a column-major A, BLOCK_K * s_ar passes 2^31
                 b_step = s_br * BLOCK_K
                 b2_step = s_b2r * BLOCK_K
                 for r in range(r_lo, r_hi, BLOCK_K):
                     left = r_hi - r
-                    a = tl.load(a_ptrs, mask=offs[None, :] < left, other=0.0)
-                    b = tl.load(b_ptrs, mask=offs[:, None] < left, other=0.0)
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs[None, :] < left), other=0.0)
+                    b = tl.load(b_ptrs, mask=(offs[:, None] < left) & col_ok[None, :], other=0.0)
                     acc = tl.dot(a, b, acc, input_precision=PRECISION)
                     if DUAL == 2:
-                        b2 = tl.load(b2_ptrs, mask=offs[:, None] < left, other=0.0)
+                        b2 = tl.load(b2_ptrs, mask=(offs[:, None] < left) & col_ok[None, :], other=0.0)
                         acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
                         b2_ptrs += b2_step
                     if ROWSUM:
@@ -389,12 +393,12 @@ def _gemm_kernel(
                     a_ptrs += a_step
                     b_ptrs += b_step
                 if DUAL == 1:
-                    a2_ptrs = a2_ptr + rows_in[:, None] * s_a2m + (r_lo + offs)[None, :] * s_a2r
+                    a2_ptrs = a2_ptr + rows[:, None] * s_a2m + (r_lo + offs)[None, :] * s_a2r
                     a2_step = s_a2r * BLOCK_K
                     for r in range(r_lo, r_hi, BLOCK_K):
                         left = r_hi - r
-                        a2 = tl.load(a2_ptrs, mask=offs[None, :] < left, other=0.0)
-                        b2 = tl.load(b2_ptrs, mask=offs[:, None] < left, other=0.0)
+                        a2 = tl.load(a2_ptrs, mask=row_ok[:, None] & (offs[None, :] < left), other=0.0)
+                        b2 = tl.load(b2_ptrs, mask=(offs[:, None] < left) & col_ok[None, :], other=0.0)
                         acc = tl.dot(a2, b2, acc, input_precision=PRECISION)
                         a2_ptrs += a2_step
                         b2_ptrs += b2_step
