@@ -14,7 +14,14 @@ Example::
     $ python -m bench --filter "swiglu and fwd_bwd" --out /tmp/bench
     bench: quick mode on cpu -> /tmp/bench/cpu-interpreter/2026-11-22-e60bd426.jsonl
     ...
-    bench: report /tmp/bench/cpu-interpreter/2026-11-22-e60bd426.html
+    bench: 2 benchmarks: 2 passed, 0 failed, 0 skipped in 12.0 s
+    bench: rows: 2 measurement rows, 0 skipped, 0 failed (as in the report's header)
+    bench: results /tmp/bench/cpu-interpreter/2026-11-22-e60bd426.jsonl
+    bench: report  /tmp/bench/cpu-interpreter/2026-11-22-e60bd426.html
+
+The first count is of benchmarks (pytest tests), the second of result rows: a benchmark writes one row
+per case it runs, and each torchrun benchmark (bench/test_bench_comm_dist.py) writes many, so the two
+differ; the report's header shows the row count.
 """
 
 from __future__ import annotations
@@ -88,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import pytest
 
     from bench.progress import ProgressPlugin
-    from bench.report import write_report
+    from bench.report import counts_text, row_counts, write_report
+    from bench.rows import read_rows
     from smptk._env import short_sha
 
     env = config.session_env()
@@ -112,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if jsonl.exists():
         html_path = write_report(jsonl)
+        rows_written = list(read_rows(jsonl))
+        print(f"bench: rows: {counts_text(row_counts(rows_written))} (as in the report's header)", file=term)
         print(f"bench: results {jsonl}", file=term)
         print(f"bench: report  {html_path}", file=term)
     else:

@@ -1,4 +1,4 @@
-"""Multi-process comm benchmarks under torchrun: smptk vs torch.distributed on real ranks (items 7a-7d).
+"""Multi-process comm benchmarks under torchrun: smptk vs torch.distributed on real ranks.
 
 Run from the checkout root (rank 0 appends one JSON row per case to ``--jsonl``; see :mod:`bench.rows`)::
 
@@ -6,30 +6,48 @@ Run from the checkout root (rank 0 appends one JSON row per case to ``--jsonl``;
     torchrun --standalone --nproc-per-node 2 -m bench.comm_dist --quick --jsonl out.jsonl --parts ddp
 
 Options: ``--parts``, ``--quick``, ``--device cpu`` (gloo + interpreter even where CUDA exists),
-``--rounds`` / ``--warmup``. ``python -m bench`` runs it through bench/test_bench_comm_dist.py, one
-torchrun per part, via :func:`launch` (which kills torchrun and its ranks at a time limit). Exit status:
-0, or 1 when a correctness check failed (its rows are written first), or a rank's exception.
+``--rounds`` / ``--warmup``, ``--max-sms`` (the SM budgets). ``python -m bench`` runs it through
+bench/test_bench_comm_dist.py, one torchrun per part, via :func:`launch` (which kills torchrun and its
+ranks at a time limit). Exit status: 0, or 1 when a correctness check failed (its rows are written
+first), or a rank's exception.
+
+Every row says what it is: ``world_mode`` ("real world: N processes under torchrun..."; these rows are
+never from the simulated world of bench/test_bench_comm.py), ``device``, ``backend``, ``mode`` and
+``note`` (:data:`bench.config.CPU_NOTE` on a CPU: functional numbers, not GPU results).
 
 Parts (``--parts``, comma-separated; default all):
 
 - **bandwidth** (suite ``comm_dist_bandwidth``): smptk's all_reduce (one-shot and two-shot, via
-  ``algorithm=``), all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single at
-  ``max_sms`` 1..32 and sizes 4 KiB..1 GiB (x4 steps), bf16. Before timing, the first call's result is
-  compared with torch.distributed's on the same input: the inputs are integers in [-8, 8], so every sum
-  is exact in bf16 and the two must be *equal*; output buffers start as NaN so unwritten memory fails.
-  A case that differs gets a "failed" row and is not timed; the program then exits 1.
-- **nccl** (``comm_dist_nccl``): the same four collectives through torch.distributed: the default
-  communicator, and one communicator per NCCL max-CTAs value (``ProcessGroupNCCL.Options().config
-  .max_ctas``; NCCL reads ``NCCL_MAX_CTAS`` once per process, so a per-communicator config is the only
-  way to sweep it in one run). Each row records the CTAs NCCL really launched (``nccl_ctas_observed``:
-  max and distinct grid x of the kernels named ``nccl*`` in a torch.profiler trace of 2 calls on rank 0).
+  ``algorithm=``), all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single at every SM budget
+  ``max_sms`` in 1, 2, 4, 8, 16, 32, plus 0 = ``algorithm="copy_engine"`` for all-gather and all-to-all
+  (tensor copies of the peers' heap regions: no SM moves data; a one-CTA signal kernel runs twice per
+  heap chunk), at sizes 1 MiB..1 GiB (x4 steps), bf16. Rows record ``ctas`` (the data-moving CTAs: our
+  kernels launch exactly ``max_sms`` programs) and ``comm_path`` (what ran). Before timing, the first
+  call's result is compared with torch.distributed's on the same input: the inputs are integers in
+  [-8, 8], so every sum is exact in bf16 and the two must be *equal*; output buffers start as NaN so
+  unwritten memory fails. A case that differs gets a "failed" row and is not timed; the program then
+  exits 1.
+- **nccl** (``comm_dist_nccl``): the same four collectives through torch.distributed with the group's
+  backend (NCCL on GPUs, gloo on a CPU): the default communicator, and one communicator per NCCL
+  max-CTAs value equal to our SM budgets (``ProcessGroupNCCL.Options().config.max_ctas``; NCCL reads
+  ``NCCL_MAX_CTAS`` once per process, so a per-communicator config is the only way to sweep it in one
+  run). Where this torch has no such option, the run's default communicator honours ``NCCL_MAX_CTAS``
+  from the environment and its rows say so (``nccl_config``); bench/test_bench_comm_dist.py then starts
+  one run per value. Each row records the CTAs NCCL really launched (``nccl_ctas_observed``: max and
+  distinct grid x of the kernels named ``nccl*`` in a torch.profiler trace of 2 calls on rank 0), or
+  ``nccl_ctas_note`` saying why not (on a CPU: not available, gloo launches no NCCL kernel).
 - **interference** (``comm_dist_interference``): on every rank a bf16 8192^3 ``torch.matmul`` runs while
-  an all-reduce of 64 MiB (smptk two-shot at k SMs; NCCL default and per max-CTAs) runs on a side
-  stream (normal priority, as the DDP hook's). The
-  collective is timed alone first; then enough calls are enqueued to last ``COVER_FACTOR`` times the
-  GEMMs' solo time, ahead of the GEMMs, and the row says whether the side stream really outlasted the
-  GEMMs (``covered``). slowdown = GEMM time concurrent / GEMM time alone; smptk rows carry
-  ``slowdown_bound`` = 1 + 1.2 k / SM count (k of the SMs taken, 20% margin) and ``bound_met``.
+  a 64 MiB collective runs on a side stream (normal priority, as the DDP hook's): smptk's two-shot
+  all-reduce at each SM budget, smptk's all-gather at each SM budget and at 0 (copy engine), and
+  torch.distributed's all-reduce and all-gather (default communicator and per max-CTAs). The collective
+  is timed alone first; then enough calls are enqueued to last ``COVER_FACTOR`` times the GEMMs' solo
+  time, ahead of the GEMMs, and the row says whether the side stream really outlasted the GEMMs
+  (``covered``). slowdown = GEMM time concurrent / GEMM time alone; smptk rows carry ``slowdown_bound``
+  (:func:`bench.counts.gemm_slowdown_bound`: 1 + 1.2 k / SM count, 1.03 at k = 0) and ``bound_met``.
+  On a CPU (no streams) the collectives run before the GEMMs, ``concurrency`` says "sequential", there is
+  no bound, and only the budgets 0 and 1 run (each interpreted call takes 0.1-0.5 s): it proves the code
+  runs, nothing more. The single-GPU version of this measurement, at every budget for all five
+  collectives, is ``comm_interference`` in bench/test_bench_comm.py.
 - **ddp** (``comm_dist_ddp``): a DDP step (forward, backward, SGD step) of 8 bias-free Linear(4096, 4096)
   bf16 layers, batch 4096 per rank, at world sizes 1..N (``dist.new_group(range(w))``; ranks >= w wait
   at a barrier), with DDP's default hook and with ``smptk.comm.adapters.ddp_comm_hook``. Rows: step time,
@@ -47,11 +65,11 @@ rounds. All-reduces are timed in place on a zero buffer so repeated sums stay fi
 does not depend on the values).
 
 Modes: **measure** on CUDA (NCCL backend, the shapes above). **quick** (``--quick``; always on a CPU, or
-with ``--device cpu``): 4 KiB, max_sms {1, 2}, 3 rounds; on a CPU the backend is gloo, tensors live on
-the CPU and smptk's kernels run under ``TRITON_INTERPRET=1`` over a POSIX shared-memory heap; the
-baseline is torch.distributed with gloo, everything NCCL- or stream-specific gets a "skipped" row with
-the reason, the DDP model is 2 x Linear(32, 32) (fp32 on a CPU, batch 8), and every row says
-``bench.config.CPU_NOTE``.
+with ``--device cpu``): 4 KiB, max_sms {0 (copy engine), 1, 2}, 3 rounds; on a CPU the backend is gloo,
+tensors live on the CPU and smptk's kernels run under ``TRITON_INTERPRET=1`` over a POSIX shared-memory
+heap; the baseline is torch.distributed with gloo, everything NCCL-specific gets a "skipped" row or a
+note with the reason, the interference GEMM is 128^3, the DDP model is 2 x Linear(32, 32) (fp32 on a
+CPU, batch 8), and every row says ``bench.config.CPU_NOTE``.
 With one rank only the ddp part runs (world 1); the others need >= 2 GPUs (on one GPU,
 bench/test_bench_comm.py simulates the world).
 
@@ -82,7 +100,7 @@ import torch
 import torch.distributed as dist
 
 from bench.config import CPU_NOTE, GPU_QUICK_NOTE
-from bench.counts import collective_counts
+from bench.counts import collective_counts, gemm_slowdown_bound
 from bench.rows import RowWriter, base_row
 from bench.timing import summarize
 
@@ -96,19 +114,22 @@ SMPTK_CASES = (
     ("reduce_scatter", None),
     ("all_to_all", None),
 )
-MEASURE_SIZES = tuple(4096 * 4**i for i in range(10))  # 4 KiB, 16 KiB, ..., 1 GiB
+MEASURE_SIZES = tuple((1 << 20) * 4**i for i in range(6))  # 1 MiB, 4 MiB, ..., 1 GiB
 QUICK_SIZES = (4096,)
 MEASURE_MAX_SMS = (1, 2, 4, 8, 16, 32)
 QUICK_MAX_SMS = (1, 2)
-NCCL_MAX_CTAS = (1, 2, 4, 8, 16, 32)
+# Collectives with algorithm="copy_engine": their SM budget 0 (no SM moves data) runs that algorithm.
+COPY_ENGINE = ("all_gather", "all_to_all")
+NCCL_MAX_CTAS = MEASURE_MAX_SMS  # NCCL capped to each of our SM budgets
 ROUND_BYTES = 64 << 20  # traffic per timed round on a GPU; untuned, amortizes the event pair at 4 KiB
 MAX_ITERS = 100
-GEMM_N = {"measure": 8192, "quick": 1024}
-GEMM_ITERS = {"measure": 20, "quick": 3}  # 20 x 8192^3 is about 30 ms on an H100 (~1.1 TFLOP each)
+GEMM_N = {"measure": 8192, "quick": 1024, "cpu": 128}
+GEMM_ITERS = {"measure": 20, "quick": 3, "cpu": 3}  # 20 x 8192^3 is about 30 ms on an H100 (~1.1 TFLOP each)
 INTERFERENCE_BYTES = {"measure": 64 << 20, "quick": 4096}
+INTERFERENCE_CASES = (("all_reduce", "two_shot"), ("all_gather", None))
+CPU_INTERFERENCE_MAX_SMS = (1,)  # plus 0: interpreted calls take 0.1-0.5 s each on a CPU
 COVER_FACTOR = 2.0  # side-stream work enqueued = 2x the GEMMs' solo time, so a 2x slowdown stays covered
 MAX_COVER_CALLS = 5000
-SLOWDOWN_MARGIN = 1.2
 DDP_SHAPES = {"measure": (8, 4096, 4096), "quick": (2, 32, 8)}  # layers, hidden, batch per rank
 DDP_LR = 1e-2
 NEEDS_RANKS = (
@@ -116,6 +137,10 @@ NEEDS_RANKS = (
     "bench/test_bench_comm.py"
 )
 NO_NCCL = "no NCCL here: the CPU run uses gloo"
+NCCL_CTAS_CPU = (
+    "not available: gloo on a CPU launches no NCCL kernel (NCCL's CTA count is read from CUDA kernel "
+    "events in a torch.profiler trace)"
+)
 KILL_GRACE_S = 45  # torchrun gives its ranks 30 s after SIGTERM before it kills them itself
 NCCL_ENV = ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE")
 
@@ -190,9 +215,25 @@ def bandwidth_fields(
     }
 
 
-def slowdown_bound(k: int, sm_count: int) -> float:
-    """The largest GEMM slowdown a collective on ``k`` of ``sm_count`` SMs should cause: 1 + 1.2 k / SMs."""
-    return 1.0 + SLOWDOWN_MARGIN * k / sm_count
+def sm_budgets(collective: str, max_sms: Sequence[int]) -> tuple[int, ...]:
+    """The SM budgets a collective runs at: ``max_sms``, led by 0 (copy engine) where the op has it.
+
+    Example::
+
+        >>> sm_budgets("all_gather", (1, 2)), sm_budgets("reduce_scatter", (1, 2))
+        ((0, 1, 2), (1, 2))
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective: expected one of {COLLECTIVES}, got {collective!r}")
+    bad = [k for k in max_sms if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+    if bad:
+        raise ValueError(f"max_sms: expected SM counts >= 1 (0 is added for the copy engine), got {bad}")
+    return ((0,) if collective in COPY_ENGINE else ()) + tuple(max_sms)
+
+
+def budget_label(max_sms: int) -> str:
+    """``0`` -> ``copy_engine``, ``8`` -> ``sms8``: the budget as it appears in case ids."""
+    return "copy_engine" if max_sms == 0 else f"sms{max_sms}"
 
 
 def scaling_efficiency(step_s_world1: float, step_s: float) -> float:
@@ -346,8 +387,15 @@ def _int_data(ctx: Ctx, numel: int, seed: int) -> torch.Tensor:
 def _smptk_call(
     collective: str, algorithm: str | None, inp: torch.Tensor, out: torch.Tensor, group: Any, max_sms: int
 ) -> Callable[[], object]:
+    """smptk's ``collective`` at ``max_sms`` SMs; 0 = ``algorithm="copy_engine"`` (all-gather, all-to-all)."""
     import smptk.comm as comm
 
+    if max_sms == 0:
+        if collective not in COPY_ENGINE:
+            raise ValueError(f"max_sms: 0 (copy engine) exists for {COPY_ENGINE}, not {collective!r}")
+        if collective == "all_gather":
+            return lambda: comm.all_gather_into_tensor(out, inp, group, algorithm="copy_engine")
+        return lambda: comm.all_to_all_single(out, inp, group=group, algorithm="copy_engine")
     if collective == "all_reduce":
         return lambda: comm.all_reduce(out, group=group, max_sms=max_sms, algorithm=algorithm)
     if collective == "all_gather":
@@ -355,6 +403,17 @@ def _smptk_call(
     if collective == "reduce_scatter":
         return lambda: comm.reduce_scatter_tensor(out, inp, group=group, max_sms=max_sms)
     return lambda: comm.all_to_all_single(out, inp, group=group, max_sms=max_sms)
+
+
+def sm_use(max_sms: int) -> dict[str, Any]:
+    """The SMs a smptk case occupies, by construction: ``ctas`` move data, ``signal_ctas`` only signal.
+
+    Our kernels launch exactly ``max_sms`` programs; the copy engine (``max_sms`` 0) launches none that
+    move data, and a one-program signal kernel twice per heap chunk.
+    """
+    if max_sms == 0:
+        return {"ctas": 0, "signal_ctas": 1, "sm_use": "0 SMs move data (copy engine); 1-CTA signal kernel"}
+    return {"ctas": max_sms, "signal_ctas": None, "sm_use": f"{max_sms} CTAs (max_sms)"}
 
 
 def _torch_call(collective: str, inp: torch.Tensor, out: torch.Tensor, group: Any) -> Callable[[], object]:
@@ -375,7 +434,7 @@ def _host_time(ctx: Ctx, fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-# ----------------------------------------------------------------------------- part: bandwidth (7a)
+# ----------------------------------------------------------------------------- part: bandwidth
 def _check_smptk(
     ctx: Ctx, collective: str, algorithm: str | None, inp: torch.Tensor, n_out: int, max_sms: int
 ) -> tuple[dict[str, Any], float, str | None]:
@@ -418,17 +477,18 @@ def part_bandwidth(ctx: Ctx) -> None:
             n_in, n_out, nbytes = case_numels(collective, size, ctx.world, elem)
             inp = _int_data(ctx, n_in, seed=ctx.rank * 7919 + si * 31 + ci)
             op = f"all_reduce_{algorithm}" if algorithm else collective
-            for k in ctx.max_sms:
-                case = f"{op}-smptk-sms{k}-{nbytes}B"
+            for k in sm_budgets(collective, ctx.max_sms):
+                case = f"{op}-smptk-{budget_label(k)}-{nbytes}B"
                 desc = {
                     "op": op,
                     "collective": collective,
-                    "algorithm": algorithm,
+                    "algorithm": "copy_engine" if k == 0 else algorithm,
                     "impl": "smptk",
                     "max_sms": k,
                     "world": ctx.world,
                     "dtype": str(ctx.dtype).removeprefix("torch."),
                     "size_bytes": nbytes,
+                    **sm_use(k),
                 }
                 check, first_s, path = _check_smptk(ctx, collective, algorithm, inp, n_out, k)
                 if not check["exact_equal"]:
@@ -456,9 +516,12 @@ def part_bandwidth(ctx: Ctx) -> None:
             del inp
 
 
-# ----------------------------------------------------------------------------- part: nccl (7b)
-def _nccl_options_class() -> tuple[Any, str | None]:
-    """(ProcessGroupNCCL.Options, None), or (None, why the max-CTAs config cannot be set)."""
+# ----------------------------------------------------------------------------- part: nccl
+def nccl_options_class() -> tuple[Any, str | None]:
+    """(ProcessGroupNCCL.Options, None), or (None, why the max-CTAs config cannot be set).
+
+    Needs no process group: the parent of the torchrun ranks asks too (bench/test_bench_comm_dist.py).
+    """
     pg_nccl = getattr(dist, "ProcessGroupNCCL", None)
     options = getattr(pg_nccl, "Options", None)
     if options is None:
@@ -466,6 +529,39 @@ def _nccl_options_class() -> tuple[Any, str | None]:
     if not hasattr(getattr(options(), "config", None), "max_ctas"):
         return None, "dist.ProcessGroupNCCL.Options().config has no max_ctas in this torch build"
     return options, None
+
+
+def nccl_cap_plan(
+    option_missing: str | None, env_max_ctas: str | None, caps: Sequence[int] = NCCL_MAX_CTAS
+) -> tuple[list[tuple[str, int | None]], str | None]:
+    """The NCCL communicators the nccl part times, as ``[(nccl_config label, max_ctas)]``, and why the
+    max-CTAs sweep does not run (None when it does).
+
+    The default communicator comes first: "default", or "NCCL_MAX_CTAS=k (env)" when the environment
+    caps every communicator of the process. Then one "max_ctas=k" per cap, when
+    ``ProcessGroupNCCL.Options().config.max_ctas`` exists (``option_missing`` is None); without it each
+    cap needs a process of its own with ``NCCL_MAX_CTAS`` set: the reason says so, unless this process
+    is one of those (the environment sets a cap).
+
+    Example::
+
+        >>> nccl_cap_plan(None, None, caps=(1, 8))
+        ([('default', None), ('max_ctas=1', 1), ('max_ctas=8', 8)], None)
+        >>> nccl_cap_plan("no max_ctas", "4", caps=(1, 8))[0]
+        [('NCCL_MAX_CTAS=4 (env)', 4)]
+    """
+    env = (env_max_ctas or "").strip()
+    plan: list[tuple[str, int | None]] = [
+        (f"NCCL_MAX_CTAS={env} (env)", int(env) if env.isdigit() else None) if env else ("default", None)
+    ]
+    if option_missing is not None:
+        if env:  # this process is one of those runs
+            return plan, None
+        return plan, (
+            f"{option_missing}; NCCL reads NCCL_MAX_CTAS once per process, so each cap needs a run of "
+            "its own with NCCL_MAX_CTAS=k set (bench/test_bench_comm_dist.py starts one per cap)"
+        )
+    return plan + [(f"max_ctas={c}", c) for c in caps], None
 
 
 def _nccl_group(ctx: Ctx, options: Any, max_ctas: int) -> Any:
@@ -513,22 +609,18 @@ def part_nccl(ctx: Ctx) -> None:
     if ctx.world < 2:
         ctx.emit("skipped", "nccl", "all", impl=impl, reason=NEEDS_RANKS)
         return
-    configs: list[tuple[str, int | None, Any]] = [("default", None, None)]
+    configs: list[tuple[str | None, int | None, Any]] = []
     if not ctx.cuda:
+        configs.append((None, None, None))
         ctx.emit("skipped", "nccl", "max_ctas_sweep", impl="torch.distributed:nccl", reason=NO_NCCL)
-        ctx.emit(
-            "skipped",
-            "nccl",
-            "ctas_observed",
-            impl="torch.distributed:nccl",
-            reason=f"{NO_NCCL}; NCCL's CTA count comes from CUDA kernel events in a torch.profiler trace",
-        )
     else:
-        options, why = _nccl_options_class()
-        if options is None:
-            ctx.emit("skipped", "nccl", "max_ctas_sweep", impl=impl, reason=why)
-        for c in NCCL_MAX_CTAS if options is not None else ():
-            configs.append((f"max_ctas={c}", c, _nccl_group(ctx, options, c)))
+        options, why = nccl_options_class()
+        plan, skip = nccl_cap_plan(why, os.environ.get("NCCL_MAX_CTAS"))
+        if skip:
+            ctx.emit("skipped", "nccl", "max_ctas_sweep", impl=impl, reason=skip)
+        for label, cap in plan:
+            group = _nccl_group(ctx, options, cap) if label.startswith("max_ctas=") else None
+            configs.append((label, cap, group))
     elem = ctx.dtype.itemsize
     nccl_env = {name: os.environ.get(name) for name in NCCL_ENV}
     for label, max_ctas, group in configs:
@@ -541,18 +633,21 @@ def part_nccl(ctx: Ctx) -> None:
                 first_s = _host_time(ctx, call)
                 iters = _iters(ctx, nbytes)
                 per_round = _timed(ctx, call, iters)
-                ctas = _observe_nccl_ctas(ctx, call) if ctx.cuda else {}
+                if ctx.cuda:
+                    ctas = _observe_nccl_ctas(ctx, call)
+                else:
+                    ctas = {"nccl_ctas_observed": None, "nccl_ctas_note": NCCL_CTAS_CPU}
                 median = summarize(per_round)["median"]
                 ctx.emit(
                     "measurement",
                     "nccl",
-                    f"{collective}-{impl}-{label}-{nbytes}B",
+                    f"{collective}-{impl}-{label or 'default'}-{nbytes}B",
                     op=collective,
                     collective=collective,
                     algorithm=None,
                     impl=impl,
                     max_sms=None,
-                    nccl_config=label if ctx.backend == "nccl" else None,
+                    nccl_config=label,
                     nccl_max_ctas=max_ctas,
                     world=ctx.world,
                     dtype=str(ctx.dtype).removeprefix("torch."),
@@ -567,12 +662,22 @@ def part_nccl(ctx: Ctx) -> None:
                 del inp, out
 
 
-# ----------------------------------------------------------------------------- part: interference (7c)
+# ----------------------------------------------------------------------------- part: interference
 def _concurrent_round(
     ctx: Ctx, gemm: Callable[[], object], gemm_iters: int, coll: Callable[[], object], calls: int, side: Any
-) -> tuple[float, bool]:
-    """(seconds per GEMM while ``calls`` collectives run on ``side``, whether they outlasted the GEMMs)."""
+) -> tuple[float, bool | None]:
+    """(seconds per GEMM while ``calls`` collectives run on ``side``, whether they outlasted the GEMMs).
+
+    On a CPU (no streams) the collectives run first and the GEMMs after them; coverage is None.
+    """
     _sync(ctx)
+    if not ctx.cuda:
+        for _ in range(calls):
+            coll()
+        t0 = time.perf_counter()
+        for _ in range(gemm_iters):
+            gemm()
+        return (time.perf_counter() - t0) / gemm_iters, None
     main = torch.cuda.current_stream()
     side.wait_stream(main)
     side_end = torch.cuda.Event(enable_timing=True)
@@ -591,31 +696,73 @@ def _concurrent_round(
     return gemm_ms / 1e3 / gemm_iters, start.elapsed_time(side_end) >= gemm_ms
 
 
-def part_interference(ctx: Ctx) -> None:
-    if not ctx.cuda:
-        ctx.emit(
-            "skipped",
-            "interference",
-            "all",
-            impl="smptk",
-            reason="needs a GPU: the slowdown of a concurrent GEMM measures SMs shared on one GPU "
-            "(CUDA streams); a CPU run has neither",
+@dataclasses.dataclass
+class _InterferenceCase:
+    """One collective beside the GEMMs: smptk at an SM budget, or torch.distributed with a config."""
+
+    impl: str
+    collective: str
+    algorithm: str | None
+    max_sms: int | None
+    nccl_config: str | None
+    nccl_max_ctas: int | None
+    call: Callable[[], object]
+
+    @property
+    def label(self) -> str:
+        if self.max_sms is not None:
+            return budget_label(self.max_sms)
+        return (self.nccl_config or "default").replace(" ", "")
+
+
+def _interference_cases(ctx: Ctx, nbytes: int) -> list[_InterferenceCase]:
+    """smptk's two-shot all-reduce and all-gather at each budget (all-gather also at 0: copy engine),
+    then torch.distributed's all-reduce and all-gather per communicator of :func:`nccl_cap_plan`."""
+    budgets = ctx.max_sms if ctx.cuda else CPU_INTERFERENCE_MAX_SMS
+    impl = f"torch.distributed:{ctx.backend}"
+    plan: list[tuple[str | None, int | None]] = [(None, None)]
+    options = None
+    if ctx.cuda:
+        options, why = nccl_options_class()
+        plan = nccl_cap_plan(why, os.environ.get("NCCL_MAX_CTAS"))[0]
+    cases = []
+    for collective, algorithm in INTERFERENCE_CASES:
+        n_in, n_out, _ = case_numels(collective, nbytes, ctx.world, 2)
+        inp = torch.zeros(n_in, device=ctx.device, dtype=torch.bfloat16)
+        out = (
+            inp if collective == "all_reduce" else torch.zeros(n_out, device=ctx.device, dtype=torch.bfloat16)
         )
-        return
+        for k in sm_budgets(collective, budgets):
+            call = _smptk_call(collective, algorithm, inp, out, None, k)
+            alg = "copy_engine" if k == 0 else algorithm
+            cases.append(_InterferenceCase("smptk", collective, alg, k, None, None, call))
+        for label, cap in plan:
+            group = _nccl_group(ctx, options, cap) if label and label.startswith("max_ctas=") else None
+            call = _torch_call(collective, inp, out, group)
+            cases.append(_InterferenceCase(impl, collective, None, None, label, cap, call))
+    return cases
+
+
+def part_interference(ctx: Ctx) -> None:
     if ctx.world < 2:
         ctx.emit("skipped", "interference", "all", impl="smptk", reason=NEEDS_RANKS)
         return
     import smptk.comm as comm
 
-    n, gemm_iters = GEMM_N[ctx.mode], GEMM_ITERS[ctx.mode]
+    n = GEMM_N[ctx.mode if ctx.cuda else "cpu"]
+    gemm_iters = GEMM_ITERS[ctx.mode if ctx.cuda else "cpu"]
     gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
     a = torch.randn(n, n, generator=gen, device=ctx.device, dtype=torch.bfloat16)
     b = torch.randn(n, n, generator=gen, device=ctx.device, dtype=torch.bfloat16)
     c = torch.empty(n, n, device=ctx.device, dtype=torch.bfloat16)
     gemm = lambda: torch.matmul(a, b, out=c)
-    sm_count = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    sm_count = torch.cuda.get_device_properties(ctx.device).multi_processor_count if ctx.cuda else None
     gemm_desc = {"gemm": {"M": n, "N": n, "K": n, "dtype": "bfloat16", "calls_per_round": gemm_iters}}
     gemm_desc["sm_count"] = sm_count
+    if ctx.cuda:
+        concurrency = "side CUDA stream (normal priority), collectives enqueued ahead of the GEMMs"
+    else:
+        concurrency = "sequential: a CPU has no streams; the collectives run before the GEMMs of each round"
     alone = _timed(ctx, gemm, gemm_iters)
     alone_s = summarize(alone)["median"]
     ctx.emit(
@@ -623,27 +770,20 @@ def part_interference(ctx: Ctx) -> None:
         "interference",
         f"gemm{n}-alone",
         op="gemm_alone",
-        impl="torch.matmul (cuBLAS)",
+        impl="torch.matmul (cuBLAS)" if ctx.cuda else "torch.matmul (CPU)",
         world=ctx.world,
         tflops=2 * n**3 / alone_s / 1e12,
         **gemm_desc,
         **_timing_fields(ctx, alone, gemm_iters),
     )
     nbytes = case_numels("all_reduce", INTERFERENCE_BYTES[ctx.mode], ctx.world, 2)[2]
-    buf = torch.zeros(nbytes // 2, device=ctx.device, dtype=torch.bfloat16)
-    cases: list[tuple[str, int | None, int | None, Callable[[], object]]] = [
-        ("smptk", k, None, _smptk_call("all_reduce", "two_shot", buf, buf, None, k)) for k in ctx.max_sms
-    ]
-    cases.append(("torch.distributed:nccl", None, None, _torch_call("all_reduce", buf, buf, None)))
-    options, _ = _nccl_options_class()
-    for c_max in NCCL_MAX_CTAS if options is not None else ():
-        group = _nccl_group(ctx, options, c_max)
-        cases.append(("torch.distributed:nccl", None, c_max, _torch_call("all_reduce", buf, buf, group)))
-    side = torch.cuda.Stream()
-    for impl, k, max_ctas, coll in cases:
+    side = torch.cuda.Stream() if ctx.cuda else None
+    for case in _interference_cases(ctx, nbytes):
+        coll = case.call
         coll()  # first call: heap / communicator set-up, Triton compile
         coll_rounds = _timed(ctx, coll)
         coll_s = summarize(coll_rounds)["median"]
+        # alone_s and coll_s are maxima over ranks, so every rank enqueues the same number of calls
         calls = min(MAX_COVER_CALLS, math.ceil(COVER_FACTOR * gemm_iters * alone_s / coll_s) + 1)
         for _ in range(ctx.warmup):
             _concurrent_round(ctx, gemm, gemm_iters, coll, calls, side)
@@ -651,26 +791,38 @@ def part_interference(ctx: Ctx) -> None:
         for _ in range(ctx.rounds):
             t, cov = _concurrent_round(ctx, gemm, gemm_iters, coll, calls, side)
             local.append(t)
-            covered &= cov
+            covered = covered and cov is not False
         conc = _max_over_ranks(ctx, local)
-        flag = torch.tensor([int(covered)], dtype=torch.int32, device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if impl == "smptk":
-            comm.check()
+        if ctx.cuda:
+            flag = torch.tensor([int(covered)], dtype=torch.int32, device=ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            all_covered: bool | None = bool(flag.item())
+            if case.impl == "smptk":
+                comm.check()
+        else:
+            all_covered = None
         slowdown = summarize(conc)["median"] / alone_s
-        bound = slowdown_bound(k, sm_count) if k is not None else None
-        label = f"sms{k}" if k is not None else (f"max_ctas{max_ctas}" if max_ctas else "default")
-        ctas = _observe_nccl_ctas(ctx, coll) if impl != "smptk" else {}
+        bound = gemm_slowdown_bound(case.max_sms, sm_count) if case.max_sms is not None and sm_count else None
+        if case.impl == "smptk":
+            ctas = sm_use(case.max_sms)
+        elif ctx.cuda:
+            ctas = _observe_nccl_ctas(ctx, coll)
+        else:
+            ctas = {"nccl_ctas_observed": None, "nccl_ctas_note": NCCL_CTAS_CPU}
+        note = ctx.note
+        if all_covered is False:
+            note = "collectives ended before the GEMMs: slowdown understated"
         ctx.emit(
             "measurement",
             "interference",
-            f"gemm{n}-with-all_reduce-{impl}-{label}",
+            f"gemm{n}-with-{case.collective}-{case.impl}-{case.label}",
             op="gemm_concurrent",
-            impl=impl,
-            collective="all_reduce",
-            algorithm="two_shot" if impl == "smptk" else None,
-            max_sms=k,
-            nccl_max_ctas=max_ctas,
+            impl=case.impl,
+            collective=case.collective,
+            algorithm=case.algorithm,
+            max_sms=case.max_sms,
+            nccl_config=case.nccl_config,
+            nccl_max_ctas=case.nccl_max_ctas,
             world=ctx.world,
             size_bytes=nbytes,
             **gemm_desc,
@@ -681,13 +833,14 @@ def part_interference(ctx: Ctx) -> None:
             bound_met=None if bound is None else slowdown <= bound,
             collective_alone_s=summarize(coll_rounds),
             collective_calls=calls,
-            covered=bool(flag.item()),
+            covered=all_covered,
+            concurrency=concurrency,
             **ctas,
-            note=ctx.note if flag.item() else "collectives ended before the GEMMs: slowdown understated",
+            note=note,
         )
 
 
-# ----------------------------------------------------------------------------- part: ddp (7d)
+# ----------------------------------------------------------------------------- part: ddp
 def _ddp_model(ctx: Ctx, dtype: torch.dtype) -> torch.nn.Module:
     layers, hidden, _ = DDP_SHAPES[ctx.mode]
     torch.manual_seed(0)  # same initial weights on every rank and for both hooks
@@ -906,7 +1059,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: gloo + interpreter")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (measure 20, quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (measure 3, quick 1)")
+    p.add_argument(
+        "--max-sms",
+        default=None,
+        help="comma-separated SM budgets >= 1 (measure 1,2,4,8,16,32; quick 1,2); 0, the copy engine, is "
+        "always added for all-gather and all-to-all",
+    )
     return p
+
+
+def _parse_max_sms(text: str | None, quick: bool) -> tuple[int, ...]:
+    if text is None:
+        return QUICK_MAX_SMS if quick else MEASURE_MAX_SMS
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise SystemExit(f"--max-sms: expected comma-separated integers >= 1, got {text!r}")
+    return values
 
 
 def _parse_parts(text: str) -> list[str]:
@@ -938,8 +1109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings(
         "ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
     )
-    dist.init_process_group("nccl" if cuda else "gloo")
     quick = args.quick or not cuda
+    max_sms = _parse_max_sms(args.max_sms, quick)
+    dist.init_process_group("nccl" if cuda else "gloo")
     try:
         env: dict[str, Any] = {}
         if dist.get_rank() == 0:
@@ -952,7 +1124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend="nccl" if cuda else "gloo",
             dtype=torch.bfloat16,
             sizes=QUICK_SIZES if quick else MEASURE_SIZES,
-            max_sms=QUICK_MAX_SMS if quick else MEASURE_MAX_SMS,
+            max_sms=max_sms,
             rounds=args.rounds or (3 if quick else 20),
             warmup=args.warmup if args.warmup is not None else (1 if quick else 3),
             rank=dist.get_rank(),

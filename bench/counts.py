@@ -79,6 +79,33 @@ def collective_counts(kind: str, *, world: int, size_bytes: int) -> dict[str, fl
     return {"size_bytes": size_bytes, "busbw_factor": factor, "peer_bytes": round(peer)}
 
 
+# GEMM interference targets: a collective on k of the GPU's SMs may slow a concurrent GEMM by about its
+# share of the SMs, with a 20% margin; the copy engines (k = 0: no SM moves data) by at most 3%.
+SLOWDOWN_MARGIN = 1.2
+COPY_ENGINE_SLOWDOWN = 1.03
+
+
+def gemm_slowdown_bound(k: int, sm_count: int) -> float:
+    """The largest GEMM slowdown a collective on ``k`` of ``sm_count`` SMs should cause.
+
+    ``1 + 1.2 k / sm_count`` for ``k >= 1``; 1.03 for ``k = 0`` (the copy-engine algorithm).
+
+    Example::
+
+        >>> gemm_slowdown_bound(8, 132)  # 1 + 1.2 * 8 / 132
+        1.0727272727272728
+        >>> gemm_slowdown_bound(0, 132)
+        1.03
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k: expected an SM count >= 0, got {k!r}")
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1:
+        raise ValueError(f"sm_count: expected a positive SM count, got {sm_count!r}")
+    if k > sm_count:
+        raise ValueError(f"k: {k} SMs is more than the GPU's {sm_count}")
+    return COPY_ENGINE_SLOWDOWN if k == 0 else 1.0 + SLOWDOWN_MARGIN * k / sm_count
+
+
 # Mixture-of-Experts. Legend: T tokens, H hidden size, F expert FFN width, E experts, k experts per token,
 # P = T * k routed (token, expert) pairs (dropless: every pair is computed).
 

@@ -2,7 +2,9 @@
 
 The plugin unregisters pytest's own terminal reporter once options are parsed, so it is what the user
 sees: one bar (rich, on a terminal) or one line per finished benchmark (no rich, or output not a
-terminal, as in CI logs), then the failures with their tracebacks and a count by outcome.
+terminal, as in CI logs), then the failures with their tracebacks and a count of benchmarks by outcome
+(benchmarks, not result rows: ``python -m bench`` prints the row count after it, as the report's
+header shows it).
 
 It writes to a stream duplicated from stderr *before* pytest starts capturing, so the bar keeps drawing
 while a benchmark runs under pytest's file-descriptor capture.
@@ -11,7 +13,7 @@ Example::
 
     >>> plugin = ProgressPlugin(stream=sys.stderr)
     >>> pytest.main(["bench"], plugins=[plugin])
-    >>> plugin.counts
+    >>> plugin.counts  # printed as "bench: 96 benchmarks: 96 passed, 0 failed, 0 skipped in ..."
     {'passed': 96, 'failed': 0, 'skipped': 0}
 """
 
@@ -138,4 +140,5 @@ class ProgressPlugin:
         for nodeid, text in self.failures:
             self._print(f"\n---- FAILED {nodeid}\n{text}")
         summary = ", ".join(f"{v} {k}" for k, v in self.counts.items())
-        self._print(f"bench: {summary} in {time.perf_counter() - self._t0:.1f} s")
+        took = time.perf_counter() - self._t0
+        self._print(f"bench: {len(self.outcomes)} benchmarks: {summary} in {took:.1f} s")

@@ -7,12 +7,12 @@ TFLOP/s). A missing implementation shows as a dash, never as an estimate. Sectio
 FLOPs (MoE routing) chart GB/s; rows with a ``routing_share`` (MoE layer) get a column for it.
 The page has no script, no external CSS or font, and the charts are SVG written here.
 
-Collective benchmarks (suites ``comm_simulated`` and ``comm_interference``, see
-``bench/test_bench_comm.py``) get their own part of the page: the rows' ``world_mode`` label in a banner
-(they come from a single-GPU simulated world, not from several GPUs), bandwidth against the SM budget
-(a size x max_sms table of busbw and one chart per collective and size), a detail table, and the GEMM
-slowdown table and chart of the interference benchmark. The comm part is why this file runs past 600
-lines; it shares the formatting, escaping and chart code above.
+Collective benchmarks (suites ``comm_*``) get their own part of the page, written by
+:mod:`bench.report_comm`: the simulated world's rows under its banner, the torchrun rows under their own
+``world_mode`` (real processes), each with bandwidth against message size and SM budget side by side
+with NCCL (or gloo), GEMM interference and DDP. The header counts rows by kind (:func:`row_counts`),
+which ``python -m bench`` prints too; rows are not benchmarks (a torchrun benchmark writes many). Rows
+measured on a CPU are labelled functional numbers, not GPU results, in the notes and the footer.
 
 Usage::
 
@@ -76,6 +76,9 @@ footer { margin-top: 32px; color: #555; font-size: 0.85em; max-width: 900px; }
 footer p { margin: 6px 0; }
 .world { border: 2px solid #b8860b; background: #fff6db; color: #5a4200; padding: 10px 14px;
          font-weight: 600; margin: 12px 0; }
+.real { border: 2px solid #2e7d32; background: #e8f5e9; color: #1b4d1f; padding: 10px 14px;
+        font-weight: 600; margin: 12px 0; }
+h3 { font-size: 1.05em; margin-top: 24px; } figure { margin: 8px 0; }
 .charts { display: flex; flex-wrap: wrap; gap: 8px 20px; } .charts figure { margin: 0; }
 figcaption { font-size: 0.85em; color: #555; text-align: center; }
 """
@@ -126,8 +129,13 @@ def _shape_label(shape: dict[str, int] | None) -> str:
     return " × ".join(f"{k}={v}" for k, v in items) if items else "—"
 
 
+def _cell(value: Any) -> str:
+    """A row field as table text: a dash for a missing value (never "None")."""
+    return "—" if value is None else str(value)
+
+
 def _section_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
-    return (str(row.get("suite")), op_label(row), str(row.get("pass")), str(row.get("dtype")))
+    return (_cell(row.get("suite")), op_label(row), _cell(row.get("pass")), _cell(row.get("dtype")))
 
 
 def _shape_key(row: dict[str, Any]) -> tuple[tuple[str, int], ...]:
@@ -198,10 +206,12 @@ def svg_bar_chart(
     values: dict[tuple[str, str], tuple[float, float, float]],
     *,
     unit: str,
+    colors: dict[str, str] | None = None,
 ) -> str:
     """Grouped bar chart as an inline ``<svg>``: one group per label, one bar per series, with whiskers.
 
-    ``values[(group, series)] = (value, low, high)``; missing pairs draw no bar. Each bar has a
+    ``values[(group, series)] = (value, low, high)``; missing pairs draw no bar. ``colors`` maps a series
+    to its fill (default: :data:`IMPL_COLORS`, then a palette). Each bar has a
     ``<title>`` with its numbers, so hovering shows them without any script.
 
     Example::
@@ -211,6 +221,10 @@ def svg_bar_chart(
         True
     """
     others = sorted(s for s in series if s not in IMPL_COLORS)
+
+    def color(s: str) -> str:
+        return (colors or {}).get(s) or _impl_color(s, others)
+
     vmax = max([hi for (_, _, hi) in values.values()] + [v for (v, _, _) in values.values()] + [0.0])
     axis_max, step = _nice_ceiling(vmax)
     ticks = round(axis_max / step)
@@ -232,7 +246,7 @@ def svg_bar_chart(
     # Legend along the top.
     x_leg = left
     for s in series:
-        out.append(f'<rect x="{x_leg}" y="8" width="12" height="12" fill="{_impl_color(s, others)}"/>')
+        out.append(f'<rect x="{x_leg}" y="8" width="12" height="12" fill="{color(s)}"/>')
         out.append(f'<text x="{x_leg + 16}" y="18" font-size="12">{_esc(s)}</text>')
         x_leg += 24 + 7 * len(s)
     # Axis, grid and ticks.
@@ -256,7 +270,7 @@ def svg_bar_chart(
             x = x0 + si * bar_w
             out.append(
                 f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar_w - 2}" height="{max(0.0, y(0) - y(v)):.1f}" '
-                f'fill="{_impl_color(s, others)}"><title>{_esc(s)} {_esc(group)}: {_fmt(v)} {_esc(unit)} '
+                f'fill="{color(s)}"><title>{_esc(s)} {_esc(group)}: {_fmt(v)} {_esc(unit)} '
                 f"(IQR {_fmt(lo)}–{_fmt(hi)})</title></rect>"
             )
             cx = x + (bar_w - 2) / 2
@@ -376,16 +390,16 @@ def _fmt_bytes(n: Any) -> str:
 def _gpu_text(g: dict[str, Any]) -> str:
     l2 = g.get("l2_cache_bytes")
     return (
-        f"{g.get('name')}, {g.get('sm_count') or '?'} SMs, {_fmt_bytes(g.get('memory_total_bytes'))}, "
+        f"{_cell(g.get('name'))}, {g.get('sm_count') or '?'} SMs, {_fmt_bytes(g.get('memory_total_bytes'))}, "
         f"L2 {f'{l2 / 2**20:.0f} MiB' if l2 else '?'}, "
-        f"SM clock {g.get('sm_clock_mhz')}/{g.get('sm_clock_max_mhz')} MHz (now/max), "
-        f"memory clock max {g.get('mem_clock_max_mhz')} MHz, driver {g.get('driver_version')}"
+        f"SM clock {_cell(g.get('sm_clock_mhz'))}/{_cell(g.get('sm_clock_max_mhz'))} MHz (now/max), "
+        f"memory clock max {_cell(g.get('mem_clock_max_mhz'))} MHz, driver {_cell(g.get('driver_version'))}"
     )
 
 
 def _kernel_path_text(path: Any) -> str:
     if not isinstance(path, dict):
-        return str(path)
+        return _cell(path)
     return (
         f"SMPTK_KERNELS={path.get('requested')}, TRITON_INTERPRET={path.get('interpreter')}: CPU tensors run "
         f"{path.get('cpu')}, CUDA tensors run {path.get('cuda')}"
@@ -402,8 +416,8 @@ def _env_html(rows: list[dict[str, Any]]) -> str:
         env = r.get("env") or {}
         items: list[tuple[str, Any]] = [
             ("run id", run),
-            ("mode", f"{r.get('mode')} on {r.get('device')}"),
-            ("timer", r.get("timer")),
+            ("mode", f"{_cell(r.get('mode'))} on {_cell(r.get('device'))}"),
+            ("timer", _cell(r.get("timer"))),
             (
                 "L2 flush per round",
                 _fmt_bytes(r.get("l2_flush_bytes")) if r.get("l2_flush_bytes") else "none",
@@ -413,12 +427,12 @@ def _env_html(rows: list[dict[str, Any]]) -> str:
                 f"{env.get('git_sha') or 'not a git checkout'}"
                 + {True: " (uncommitted changes)", False: " (clean)"}.get(env.get("git_dirty"), ""),
             ),
-            ("smptk / torch / triton", f"{env.get('smptk')} / {env.get('torch')} / {env.get('triton')}"),
+            ("smptk / torch / triton", " / ".join(_cell(env.get(k)) for k in ("smptk", "torch", "triton"))),
             ("CUDA / NCCL", f"{env.get('cuda') or '—'} / {env.get('nccl') or '—'}"),
-            ("python / platform", f"{env.get('python')} / {env.get('platform')}"),
+            ("python / platform", f"{_cell(env.get('python'))} / {_cell(env.get('platform'))}"),
             (
                 "CPUs / world size / rank",
-                f"{env.get('cpu_count')} / {env.get('world_size')} / {env.get('rank')}",
+                " / ".join(_cell(env.get(k)) for k in ("cpu_count", "world_size", "rank")),
             ),
             ("kernel path", _kernel_path_text(env.get("kernel_path"))),
             (
@@ -428,7 +442,7 @@ def _env_html(rows: list[dict[str, Any]]) -> str:
         ]
         gpus = env.get("gpus") or []
         if not gpus:
-            items.append(("GPU", f"none ({env.get('gpu_note')})"))
+            items.append(("GPU", f"none ({_cell(env.get('gpu_note'))})"))
         items.extend((f"GPU {i}", _gpu_text(g)) for i, g in enumerate(gpus))
         rows_html = "".join(f"<tr><th class='l'>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in items)
         parts.append(f'<table class="env">{rows_html}</table>')
@@ -450,15 +464,7 @@ def _not_measured_html(rows: list[dict[str, Any]]) -> str:
     )
 
 
-# ----------------------------------------------------------------------------- collectives
-COMM_SUITES = ("comm_simulated", "comm_interference")
-WORLD_MODE_TEXT = (
-    "Simulated world: one rank's kernel, W buffers in one GPU's memory (one CPU process's in CPU quick "
-    "mode), no peer, no barrier waits; all traffic is local HBM. These numbers are not multi-GPU "
-    "measurements."
-)
-
-
+# ----------------------------------------------------------------------------- shared by the parts
 def _size_text(nbytes: Any) -> str:
     """``4096`` -> ``4 KiB``, ``1 << 30`` -> ``1 GiB``, ``1500`` -> ``1500 B``."""
     if not isinstance(nbytes, int):
@@ -480,185 +486,29 @@ def _at_time(row: dict[str, Any], nbytes: float | None, quartile: str) -> float:
     return nbytes / t / 1e9 if nbytes and isinstance(t, (int, float)) and t > 0 else 0.0
 
 
-def _check_text(check: Any) -> str:
-    if not isinstance(check, dict):
-        return "—"
-    if check.get("exact"):
-        return f"exact ({check.get('mismatches')} of {check.get('elements')} differ)"
-    return _fmt(check.get("max_abs_err"), 2)
-
-
-def _world_banner(rows: list[dict[str, Any]]) -> str:
-    labels = sorted({str(r["world_mode"]) for r in rows if r.get("world_mode")})
-    return f'<p class="world">{_esc(WORLD_MODE_TEXT)}</p>' + "".join(
-        f'<p class="world">world_mode: {_esc(label)}</p>' for label in labels
-    )
-
-
-def _latest(rows: list[dict[str, Any]], key: Any) -> dict[Any, dict[str, Any]]:
-    """Rows keyed by ``key(row)``, the last one winning (a re-run of a case in the same file)."""
-    out: dict[Any, dict[str, Any]] = {}
-    for r in rows:
-        out[key(r)] = r
-    return out
-
-
-def _simulated_section(group: list[dict[str, Any]]) -> str:
-    first = group[0]
-    by_case = _latest(group, lambda r: (r.get("size_bytes"), r.get("max_sms")))
-    sizes = sorted({s for s, _ in by_case if isinstance(s, int)})
-    sms = sorted({k for _, k in by_case if isinstance(k, int)})
-    pivot = "".join(
-        f"<tr><td class='l'>{_esc(_size_text(size))}</td>"
-        + "".join(
-            f"<td>{_fmt(_num(by_case[(size, k)], 'busbw_gbps')) if (size, k) in by_case else '—'}</td>"
-            for k in sms
-        )
-        + "</tr>"
-        for size in sizes
-    )
-    pivot_head = (
-        "<tr><th class='l'>size</th>" + "".join(f"<th>{k} SM{'s' * (k != 1)}</th>" for k in sms) + "</tr>"
-    )
-    charts = []
-    for size in sizes:
-        groups, values = [], {}
-        for k in sms:
-            r = by_case.get((size, k))
-            if r is None:
-                continue
-            group_label = f"{k} SM{'s' * (k != 1)}"
-            groups.append(group_label)
-            size_b, peer_b = _num(r, "size_bytes"), _num(r, "peer_bytes")
-            factor = _num(r, "busbw_factor") or 0.0
-            for series, nbytes, value in (
-                ("busbw", (size_b or 0.0) * factor, _num(r, "busbw_gbps")),
-                ("peer", peer_b, _num(r, "peer_gbps")),
-            ):
-                if value is not None:
-                    values[(group_label, series)] = (
-                        value,
-                        _at_time(r, nbytes, "q3"),
-                        _at_time(r, nbytes, "q1"),
-                    )
-        svg = svg_bar_chart(groups, ["busbw", "peer"], values, unit="GB/s")
-        charts.append(f"<figure>{svg}<figcaption>{_esc(first.get('op'))}, {_esc(_size_text(size))}"
-                      "</figcaption></figure>")  # fmt: skip
-    detail = []
-    for (size, k), r in sorted(by_case.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0)):
-        t = r.get("time_s") or {}
-        med = _median_s(r)
-        rel = t.get("iqr_rel")
-        detail.append(
-            f"<tr><td class='l'>{_esc(_size_text(size))}</td><td>{_esc(k)}</td>"
-            f"<td>{_fmt(med * 1e6 if med else None)}</td>"
-            f"<td>{_fmt(100 * rel, 2) + '%' if isinstance(rel, (int, float)) else '—'}</td>"
-            f"<td>{_fmt(_num(r, 'algbw_gbps'))}</td><td>{_fmt(_num(r, 'busbw_gbps'))}</td>"
-            f"<td>{_esc(r.get('peer_bytes'))}</td><td>{_fmt(_num(r, 'peer_gbps'))}</td>"
-            f"<td>{_esc(r.get('rounds'))}{' (capped)' if r.get('rounds_capped') else ''}</td>"
-            f"<td class='l'>{_esc(_check_text(r.get('check')))}</td>"
-            f"<td class='l muted'>{_esc(r.get('kernel_path'))}</td></tr>"
-        )
-    detail_head = (
-        "<tr><th class='l'>size</th><th>max_sms</th><th>median µs</th><th>IQR % of median</th>"
-        "<th>algbw GB/s</th><th>busbw GB/s</th><th>peer bytes</th><th>peer GB/s</th><th>rounds</th>"
-        "<th class='l'>check</th><th class='l'>path</th></tr>"
-    )
-    return (
-        f"<section><h2>{_esc(first.get('op'))} — W={_esc(first.get('world'))} — {_esc(first.get('dtype'))} "
-        f'<span class="muted">(comm_simulated)</span></h2>'
-        f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
-        f"<p>busbw GB/s (nccl-tests definition) against the SM budget:</p>"
-        f"<table>{pivot_head}{pivot}</table><div class='charts'>{''.join(charts)}</div>"
-        f"<table>{detail_head}{''.join(detail)}</table></section>"
-    )
-
-
-def _interference_section(group: list[dict[str, Any]]) -> str:
-    first = group[0]
-    by_case = _latest(group, lambda r: (str(r.get("op")), r.get("max_sms")))
-    ops = sorted({op for op, _ in by_case})
-    sms = sorted({k for _, k in by_case if isinstance(k, int)})
-    values, body = {}, []
-    for (op, k), r in sorted(by_case.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-        alone = (r.get("gemm_alone_s") or {}).get("median")
-        conc = r.get("time_s") or {}
-        slowdown, bound, met = _num(r, "slowdown"), _num(r, "slowdown_bound"), r.get("bound_met")
-        group_label = f"{k} SM{'s' * (k != 1)}"
-        if slowdown is not None and isinstance(alone, (int, float)) and alone > 0:
-            lo, hi = conc.get("q1"), conc.get("q3")
-            values[(group_label, op)] = (
-                slowdown,
-                lo / alone if isinstance(lo, (int, float)) else slowdown,
-                hi / alone if isinstance(hi, (int, float)) else slowdown,
-            )
-        overlap = _num(r, "collective_overlap_peer_gbps")
-        body.append(
-            f"<tr><td class='l'>{_esc(op)}</td><td>{_esc(k)}</td>"
-            f"<td>{_fmt(alone * 1e3 if isinstance(alone, (int, float)) else None)}</td>"
-            f"<td>{_fmt(_median_s(r) * 1e3 if _median_s(r) else None)}</td>"
-            f"<td>{_fmt(slowdown, 4) + '×' if slowdown is not None else '—'}</td>"
-            f"<td>{_fmt(bound, 4) + '×' if bound is not None else '—'}</td>"
-            f"<td>{ {True: 'yes', False: 'NO'}.get(met, '—') }</td>"
-            f"<td>{_fmt(_num(r, 'collective_alone_peer_gbps'))}</td>"
-            f"<td>{_fmt(overlap)}</td>"
-            f"<td>{_esc(r.get('collective_calls_per_round', '—'))}</td>"
-            f"<td class='l muted'>{_esc(r.get('concurrency'))}</td></tr>"
-        )
-    head = (
-        "<tr><th class='l'>collective</th><th>max_sms</th><th>GEMM alone ms</th><th>GEMM concurrent ms</th>"
-        "<th>slowdown</th><th>target bound 1 + 1.2·k/SMs</th><th>bound met</th>"
-        "<th>collective alone peer GB/s</th><th>collective peer GB/s during GEMM</th>"
-        "<th>calls per round</th><th class='l'>concurrency</th></tr>"
-    )
-    groups = [f"{k} SM{'s' * (k != 1)}" for k in sms]
-    chart = svg_bar_chart(groups, ops, values, unit="GEMM slowdown (×)")
-    why: dict[str, list[str]] = {}  # note -> the cases it explains
-    for (op, k), r in sorted(by_case.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-        if r.get("overlap_gbps_note"):
-            why.setdefault(str(r["overlap_gbps_note"]), []).append(f"{op} at {k} SM{'s' * (k != 1)}")
-    notes_html = "".join(
-        f"<p class='muted'>No collective GB/s during the GEMM for {_esc(', '.join(cases))}: {_esc(note)}</p>"
-        for note, cases in why.items()
-    )
-    return (
-        f"<section><h2>GEMM {_esc(_shape_label(first.get('shape')))} beside a collective of "
-        f"{_esc(_size_text(first.get('size_bytes')))} — W={_esc(first.get('world'))} — "
-        f'{_esc(first.get("dtype"))} <span class="muted">(comm_interference)</span></h2>'
-        f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
-        f"{chart}<table>{head}{''.join(body)}</table>{notes_html}</section>"
-    )
-
-
-def _comm_html(rows: list[dict[str, Any]]) -> str:
-    """The collectives' part of the page: banner, bandwidth against SM budget, interference."""
-    if not rows:
-        return ""
-    parts = ["<h2>Collectives (simulated world)</h2>", _world_banner(rows)]
-    simulated: dict[tuple, list[dict[str, Any]]] = {}
-    interference: dict[tuple, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("suite") == "comm_simulated":
-            simulated.setdefault((str(r.get("op")), r.get("world"), str(r.get("dtype"))), []).append(r)
-        else:
-            key = (r.get("world"), r.get("size_bytes"), _shape_label(r.get("shape")), str(r.get("dtype")))
-            interference.setdefault(key, []).append(r)
-    parts.extend(_simulated_section(g) for g in simulated.values())
-    parts.extend(_interference_section(g) for g in interference.values())
-    return "".join(parts)
-
-
-_COMM_FOOTER = (
-    "Collectives: every number comes from a single-GPU simulated world (one rank's kernel, W buffers in "
-    "one GPU's memory, no peer, no barrier waits, all traffic local HBM); they are not multi-GPU "
-    "measurements. size is nccl-tests' size (all-reduce buffer, all-gather output, reduce-scatter input, "
-    "all-to-all send buffer); algbw = size / median time; busbw = algbw × 2(W-1)/W for all-reduce and "
-    "× (W-1)/W otherwise; peer GB/s = bytes one rank reads from its peers' buffers / median time. Chart "
-    "whiskers are the same quantities at the first and third quartile times. Interference: slowdown = "
-    "median GEMM time beside the collective / median GEMM time alone, both measured in the same run."
+ROWS_NOT_TESTS = (
+    "rows, not benchmarks: a benchmark writes one row per case it runs, a torchrun benchmark many, so "
+    "this count differs from the number of benchmarks pytest ran"
 )
 
 
+def row_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Rows by kind: ``{"measurement": n, "skipped": n, "failed": n}`` (rows of other kinds not counted).
+
+    The report's header and ``python -m bench``'s last line both print this, so they agree.
+    """
+    return {k: sum(1 for r in rows if r.get("kind") == k) for k in ("measurement", "skipped", "failed")}
+
+
+def counts_text(counts: dict[str, int]) -> str:
+    """``{"measurement": 30, "skipped": 3, "failed": 0}`` -> ``30 measurement rows, 3 skipped, 0 failed``."""
+    return f"{counts['measurement']} measurement rows, {counts['skipped']} skipped, {counts['failed']} failed"
+
+
+CPU_FOOTER = (
+    "Rows whose device is cpu were measured in CPU quick mode (Triton interpreter, gloo, host clock, tiny "
+    "shapes): functional numbers that show the benchmarks run and match their references, not GPU results."
+)
 _FOOTER = (
     "Times are medians over rounds of GPU time between two CUDA events (host clock in CPU quick mode), "
     "with the L2 cache flushed before every round by writing a buffer larger than it. Spread is the "
@@ -678,20 +528,18 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
         >>> page.startswith("<!DOCTYPE html>")
         True
     """
+    from bench import report_comm  # imported here: it imports this module's helpers
+
     rows = list(rows)
     measured_all = [r for r in rows if r.get("kind") == "measurement"]
-    comm = [r for r in measured_all if r.get("suite") in COMM_SUITES]
-    measured = [r for r in measured_all if r.get("suite") not in COMM_SUITES]
+    comm = [r for r in measured_all if r.get("suite") in report_comm.COMM_SUITES]
+    measured = [r for r in measured_all if r.get("suite") not in report_comm.COMM_SUITES]
     sections: dict[tuple, list[dict]] = {}
     for r in measured:
         sections.setdefault(_section_key(r), []).append(r)
     notes = sorted({r["note"] for r in rows if r.get("note")})
     runs = sorted({str(r.get("run_id")) for r in rows})
-    counts = {k: sum(1 for r in rows if r.get("kind") == k) for k in ("measurement", "skipped", "failed")}
-    meta = (
-        f"{counts['measurement']} measurements, {counts['skipped']} skipped, {counts['failed']} failed; "
-        f"run {', '.join(runs) or '—'}"
-    )
+    meta = f"{counts_text(row_counts(rows))} ({ROWS_NOT_TESTS}); run {', '.join(runs) or '—'}"
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
@@ -703,11 +551,14 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
     if measured:
         parts.append(_summary_html(measured, sections))
         parts.extend(_section_html(measured, key, section) for key, section in sections.items())
-    parts.append(_comm_html(comm))
+    parts.append(report_comm.comm_html(comm))
     parts.append(_not_measured_html(rows))
     if rows:
         parts.append(_env_html(rows))
-    footer = f"<p>{_esc(_FOOTER)}</p>" + (f"<p>{_esc(_COMM_FOOTER)}</p>" if comm else "")
+    paragraphs = ([_FOOTER] if measured else []) + report_comm.comm_footers(comm)
+    if any(r.get("device") == "cpu" for r in measured_all):
+        paragraphs.append(CPU_FOOTER)
+    footer = "".join(f"<p>{_esc(p)}</p>" for p in paragraphs)
     parts.append(f"<footer>{footer}</footer></body></html>")
     return "\n".join(parts)
 

@@ -11,6 +11,11 @@ rank 0 wrote to the run's results file (``SMPTK_BENCH_JSONL``); rows carry the r
 - on a CPU, N = 2 in quick mode: gloo, the Triton interpreter over a shared-memory heap, and rows that
   say "cpu-interpreter: not a performance measurement".
 
+Where the installed torch cannot cap one NCCL communicator's CTAs (no
+``ProcessGroupNCCL.Options().config.max_ctas``), the nccl part runs once more per cap in
+:data:`bench.comm_dist.NCCL_MAX_CTAS` with ``NCCL_MAX_CTAS`` set for the whole run; those rows say
+``nccl_config: "NCCL_MAX_CTAS=k (env)"``.
+
 A test fails when torchrun exits non-zero (a rank raised, or a correctness check failed: the message
 holds its stderr tail) or runs past its time limit (``SMPTK_BENCH_COMM_DIST_TIMEOUT_S`` overrides it;
 torchrun and its ranks are then killed). Rows written before a failure are kept.
@@ -26,13 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.comm_dist import PARTS, SUITES, launch
+from bench.comm_dist import NCCL_MAX_CTAS, PARTS, SUITES, launch, nccl_options_class
 from bench.config import JSONL_ENV, current_mode
 from bench.rows import RowWriter, read_rows, run_id
 
 MODE = current_mode()  # bench/conftest.py has already prepared the process
 TIMEOUT_ENV = "SMPTK_BENCH_COMM_DIST_TIMEOUT_S"
-# Measure mode on 8 GPUs: about 300 smptk and 280 NCCL cases (estimate, not yet measured) plus 8 DDP worlds.
+# Measure mode on 8 GPUs: about 200 smptk and 170 NCCL cases (estimate, not yet measured) plus 8 DDP worlds.
 TIMEOUT_S = {"quick": 600.0, "measure": 3 * 3600.0}
 
 
@@ -54,36 +59,47 @@ def _timeout_s() -> float:
     return value
 
 
+def env_cap_runs(part: str, n: int) -> tuple[int, ...]:
+    """NCCL max-CTAs values that need a torchrun of their own (``NCCL_MAX_CTAS`` set): the nccl part on
+    >= 2 GPUs where this torch cannot cap one communicator (``ProcessGroupNCCL.Options().config``)."""
+    if part != "nccl" or MODE.device != "cuda" or n < 2:
+        return ()
+    return NCCL_MAX_CTAS if nccl_options_class()[0] is None else ()
+
+
 @pytest.mark.parametrize("part", PARTS)
 def test_comm_dist(part: str, tmp_path: Path) -> None:
     run_id()  # make sure the ranks inherit this run's id
-    out = tmp_path / "rows.jsonl"
-    args = ["--parts", part, "--jsonl", str(out), "--rounds", str(MODE.rounds)]
-    args += ["--warmup", str(MODE.warmup_rounds)]
+    args = ["--parts", part, "--rounds", str(MODE.rounds), "--warmup", str(MODE.warmup_rounds)]
     if MODE.quick:
         args.append("--quick")
     if MODE.device == "cpu":
         args += ["--device", "cpu"]
     n = ranks()
     timeout_s = _timeout_s()
-    done = launch(n, args, timeout_s=timeout_s)
-
-    rows = list(read_rows(out)) if out.exists() else []
     sink = os.environ.get(JSONL_ENV)
-    if sink:
-        writer = RowWriter(Path(sink))
-        for row in rows:
-            writer.write(row)
-    if done.timed_out:
-        pytest.fail(
-            f"torchrun ({n} ranks, part {part}) ran past {timeout_s:g} s and was killed "
-            f"({len(rows)} rows kept); {TIMEOUT_ENV} sets the limit. Output tail:\n{done.tail()}"
-        )
-    if done.returncode != 0:
-        pytest.fail(
-            f"torchrun ({n} ranks, part {part}) exited with {done.returncode} after {done.wall_s:.0f} s "
-            f"({len(rows)} rows kept). Output tail:\n{done.tail()}"
-        )
-    assert rows, f"part {part}: torchrun succeeded but wrote no rows to {out}"
-    suites = {row.get("suite") for row in rows}
-    assert suites == {SUITES[part]}, f"part {part}: rows of suites {sorted(map(str, suites))}"
+    runs: list[tuple[str, dict[str, str] | None]] = [("", None)]
+    runs += [
+        (f" with NCCL_MAX_CTAS={c}", {**os.environ, "NCCL_MAX_CTAS": str(c)}) for c in env_cap_runs(part, n)
+    ]
+    for i, (what, env) in enumerate(runs):
+        out = tmp_path / f"rows{i}.jsonl"
+        done = launch(n, [*args, "--jsonl", str(out)], timeout_s=timeout_s, env=env)
+        rows = list(read_rows(out)) if out.exists() else []
+        if sink:
+            writer = RowWriter(Path(sink))
+            for row in rows:
+                writer.write(row)
+        if done.timed_out:
+            pytest.fail(
+                f"torchrun ({n} ranks, part {part}{what}) ran past {timeout_s:g} s and was killed "
+                f"({len(rows)} rows kept); {TIMEOUT_ENV} sets the limit. Output tail:\n{done.tail()}"
+            )
+        if done.returncode != 0:
+            pytest.fail(
+                f"torchrun ({n} ranks, part {part}{what}) exited with {done.returncode} after "
+                f"{done.wall_s:.0f} s ({len(rows)} rows kept). Output tail:\n{done.tail()}"
+            )
+        assert rows, f"part {part}{what}: torchrun succeeded but wrote no rows to {out}"
+        suites = {row.get("suite") for row in rows}
+        assert suites == {SUITES[part]}, f"part {part}{what}: rows of suites {sorted(map(str, suites))}"

@@ -2,32 +2,42 @@
 
 The unit tests use synthetic inputs (a chrome trace written here, made-up times); none of their numbers
 is a measurement. The end-to-end test runs ``torchrun --nproc-per-node 2 -m bench.comm_dist --quick
---device cpu`` as ``make bench`` does on a CPU (gloo, Triton interpreter, POSIX shared-memory heap) into
-a temporary JSONL file and checks every row; it took 25-40 s on 2 shared cores.
+--device cpu --max-sms 1`` as ``make bench`` does on a CPU (gloo, Triton interpreter, POSIX shared-memory
+heap; budgets 0 and 1, 2 rounds, to keep CI short) into a temporary JSONL file, checks every row, and
+renders them into the report (labelled real processes and CPU functional numbers).
 """
 
 from __future__ import annotations
 
 import glob
+import html
 import math
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from bench.comm_dist import (
+    NCCL_CTAS_CPU,
     PARTS,
     SUITES,
     bandwidth_fields,
+    budget_label,
     case_numels,
     launch,
     make_row,
+    nccl_cap_plan,
     nccl_ctas_from_trace,
     scaling_efficiency,
-    slowdown_bound,
+    sm_budgets,
+    sm_use,
 )
 from bench.config import CPU_NOTE
+from bench.counts import gemm_slowdown_bound
+from bench.report import counts_text, render_html, row_counts
+from bench.report_comm import CPU_TEXT, REAL_WORLD_TEXT, SIMULATED_FOOTER, WORLD_MODE_TEXT
 from bench.rows import SCHEMA, read_rows
 
 SHM_PATTERN = "/dev/shm/smptk-*"
@@ -116,10 +126,46 @@ def test_bandwidth_fields_use_nccl_tests_definitions() -> None:
 
 
 def test_slowdown_bound_and_scaling_efficiency() -> None:
-    assert slowdown_bound(8, 132) == pytest.approx(1 + 1.2 * 8 / 132)
-    assert slowdown_bound(1, 108) == pytest.approx(1 + 1.2 / 108)
+    assert gemm_slowdown_bound(8, 132) == pytest.approx(1 + 1.2 * 8 / 132)
+    assert gemm_slowdown_bound(1, 108) == pytest.approx(1 + 1.2 / 108)
+    assert gemm_slowdown_bound(0, 132) == 1.03  # the copy engine: at most 3%
+    for k, sms, name in (
+        (-1, 132, "k"),
+        (1, 0, "sm_count"),
+        (200, 132, "k"),
+        (1.5, 132, "k"),
+        (True, 132, "k"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            gemm_slowdown_bound(k, sms)
     assert scaling_efficiency(1.0, 1.25) == pytest.approx(0.8)  # step 25% slower at w: 80% efficient
     assert scaling_efficiency(2.0, 2.0) == 1.0
+
+
+def test_sm_budgets_add_the_copy_engine_where_the_op_has_it() -> None:
+    assert sm_budgets("all_gather", (1, 2, 4)) == (0, 1, 2, 4)
+    assert sm_budgets("all_to_all", (8,)) == (0, 8)
+    assert sm_budgets("all_reduce", (1, 32)) == (1, 32)
+    assert sm_budgets("reduce_scatter", (1,)) == (1,)
+    with pytest.raises(ValueError, match="max_sms"):
+        sm_budgets("all_gather", (0, 1))  # 0 is added, never asked for
+    with pytest.raises(ValueError, match="collective"):
+        sm_budgets("broadcast", (1,))
+    assert (budget_label(0), budget_label(16)) == ("copy_engine", "sms16")
+    assert sm_use(0)["ctas"] == 0 and sm_use(0)["signal_ctas"] == 1
+    assert sm_use(8)["ctas"] == 8 and sm_use(8)["signal_ctas"] is None
+
+
+def test_nccl_cap_plan() -> None:
+    plan, skip = nccl_cap_plan(None, None, caps=(1, 8))
+    assert plan == [("default", None), ("max_ctas=1", 1), ("max_ctas=8", 8)] and skip is None
+    # no per-communicator option: the default communicator only, and the reason names the env route
+    plan, skip = nccl_cap_plan("this torch has no max_ctas", None, caps=(1, 8))
+    assert plan == [("default", None)] and "NCCL_MAX_CTAS=k" in skip and "no max_ctas" in skip
+    # one of the per-cap runs: the environment caps the default communicator, nothing is skipped
+    assert nccl_cap_plan("no max_ctas", "4", caps=(1, 8)) == ([("NCCL_MAX_CTAS=4 (env)", 4)], None)
+    plan, _ = nccl_cap_plan(None, " 2 ", caps=(1,))
+    assert plan == [("NCCL_MAX_CTAS=2 (env)", 2), ("max_ctas=1", 1)]
 
 
 # ----------------------------------------------------------------------------- row fields
@@ -154,7 +200,8 @@ def test_quick_run_under_torchrun_writes_valid_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMPTK_COMM_")}
     env["SMPTK_BENCH_RUN_ID"] = "test-comm-dist-e2e"
-    done = launch(2, ["--quick", "--device", "cpu", "--jsonl", str(out)], timeout_s=E2E_TIMEOUT_S, env=env)
+    args = ["--quick", "--device", "cpu", "--max-sms", "1", "--rounds", "2", "--warmup", "0"]
+    done = launch(2, [*args, "--jsonl", str(out)], timeout_s=E2E_TIMEOUT_S, env=env)
     assert not done.timed_out, f"torchrun ran past {E2E_TIMEOUT_S} s:\n{done.tail()}"
     assert done.returncode == 0, f"torchrun exited with {done.returncode}:\n{done.tail()}"
     rows = list(read_rows(out))
@@ -165,24 +212,28 @@ def test_quick_run_under_torchrun_writes_valid_rows(tmp_path: Path) -> None:
         assert r["kind"] in ("measurement", "skipped"), (r["test_id"], r.get("reason"))
         assert r["note"] == CPU_NOTE, r["test_id"]
         assert (r["mode"], r["device"], r["backend"], r["world_size"]) == ("quick", "cpu", "gloo", 2)
+        assert r["world_mode"].startswith("real world: 2 CPU processes under torchrun"), r["test_id"]
         assert r["env"]["world_size"] == 2 and "git_sha" in r["env"]
         assert r["test_id"].startswith("bench/comm_dist.py::")
     measured = [r for r in rows if r["kind"] == "measurement"]
     for r in measured:
         t = r["time_s"]
-        assert t["median"] > 0 and t["min"] > 0 and t["rounds"] == r["rounds"] == 3, r["test_id"]
+        assert t["median"] > 0 and t["min"] > 0 and t["rounds"] == r["rounds"] == 2, r["test_id"]
         assert r["timer"] == "host"
     for r in (r for r in rows if r["kind"] == "skipped"):
         assert isinstance(r["reason"], str) and r["reason"].strip(), r["test_id"]
         assert not [k for k in MEASURED_KEYS if k in r], r["test_id"]
 
     bandwidth = [r for r in measured if r["suite"] == "comm_dist_bandwidth"]
-    expected = {(op, k) for op in _smptk_ops() for k in (1, 2)}
+    expected = {(op, k) for op in _smptk_ops() for k in (1,)} | {("all_gather", 0), ("all_to_all", 0)}
     assert {(r["op"], r["max_sms"]) for r in bandwidth} == expected
     for r in bandwidth:
-        assert r["impl"] == "smptk" and r["comm_path"] == "symmetric", r["test_id"]
+        copy_engine = r["max_sms"] == 0
+        assert r["impl"] == "smptk", r["test_id"]
+        assert r["comm_path"] == ("copy_engine" if copy_engine else "symmetric"), r["test_id"]
+        assert r["ctas"] == r["max_sms"] and (r["algorithm"] == "copy_engine") == copy_engine
         assert r["check"]["exact_equal"] is True, r["test_id"]
-        assert r["size_bytes"] == 4096 and r["world"] == 2
+        assert r["size_bytes"] == 4096 and r["world"] == 2 and r["dtype"] == "bfloat16"
         median = r["time_s"]["median"]
         assert r["algbw_gbps"] == pytest.approx(4096 / median / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * r["busbw_factor"])
@@ -191,9 +242,27 @@ def test_quick_run_under_torchrun_writes_valid_rows(tmp_path: Path) -> None:
         ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
     )
     assert {r["impl"] for r in nccl} == {"torch.distributed:gloo"}
-    assert all(r["peer_bytes"] is None and r["busbw_gbps"] > 0 for r in nccl)
+    for r in nccl:
+        assert r["peer_bytes"] is None and r["busbw_gbps"] > 0 and r["nccl_config"] is None
+        assert r["nccl_ctas_observed"] is None and r["nccl_ctas_note"] == NCCL_CTAS_CPU
     skipped_cases = {r["test_id"].split("::", 1)[1] for r in rows if r["kind"] == "skipped"}
-    assert {"nccl::max_ctas_sweep", "nccl::ctas_observed", "interference::all"} <= skipped_cases
+    assert skipped_cases == {"nccl::max_ctas_sweep"}
+
+    inter = [r for r in measured if r["suite"] == "comm_dist_interference"]
+    assert [r["op"] for r in inter].count("gemm_alone") == 1
+    cases = {(r["collective"], r["impl"], r["max_sms"]) for r in inter if r["op"] == "gemm_concurrent"}
+    assert cases == {
+        ("all_reduce", "smptk", 1),
+        ("all_gather", "smptk", 0),  # the copy engine: SM budget 0
+        ("all_gather", "smptk", 1),
+        ("all_reduce", "torch.distributed:gloo", None),
+        ("all_gather", "torch.distributed:gloo", None),
+    }
+    for r in (r for r in inter if r["op"] == "gemm_concurrent"):
+        assert r["concurrency"].startswith("sequential") and r["covered"] is None
+        assert r["slowdown_bound"] is None and r["bound_met"] is None  # no SM count on a CPU
+        assert r["slowdown"] == pytest.approx(r["time_s"]["median"] / r["gemm_alone_s"]["median"])
+        assert r["collective_calls"] >= 1
 
     ddp = [r for r in measured if r["suite"] == "comm_dist_ddp"]
     impls = ("torch.distributed:gloo", "smptk")
@@ -212,11 +281,26 @@ def test_quick_run_under_torchrun_writes_valid_rows(tmp_path: Path) -> None:
         if r["impl"] == "smptk":
             assert r["comm_path"] == "symmetric", r["test_id"]
 
+    # The report of these real 2-process CPU rows: labelled real and CPU, never simulated or GPU.
+    page = render_html(rows)
+    assert counts_text(row_counts(rows)) in page
+    assert REAL_WORLD_TEXT in html.unescape(page) and CPU_TEXT in html.unescape(page)
+    text = html.unescape(page)
+    assert WORLD_MODE_TEXT not in text and SIMULATED_FOOTER not in text
+    assert "simulated world:" not in text.lower()  # no row's world_mode says it
+    assert "Summary (smptk)" not in page and "None" not in _text(page)
+    assert page.count("<svg") == 5 + 1  # a busbw chart per smptk op, one interference chart
+
     new = _shm() - before
     if new:  # another job's heap name lives a few ms; wait that out before blaming this run
         time.sleep(1.0)
         new &= _shm()
     assert not new, f"left behind in /dev/shm: {sorted(new)}"
+
+
+def _text(page: str) -> str:
+    """The page's visible text (tags and the SVG markup dropped)."""
+    return re.sub(r"<[^>]+>", " ", page)
 
 
 def _smptk_ops() -> tuple[str, ...]:

@@ -245,6 +245,10 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     page = files[0].with_suffix(".html").read_text()
     assert "<svg" in page and row["note"] in page
     assert "1 benchmarks collected" in proc.stderr or "1/1" in proc.stderr
+    # the terminal counts benchmarks, then the rows exactly as the report's header does
+    assert "bench: 1 benchmarks: 1 passed, 0 failed, 0 skipped" in proc.stderr
+    assert "bench: rows: 1 measurement rows, 0 skipped, 0 failed" in proc.stderr
+    assert "<p class='meta'>1 measurement rows, 0 skipped, 0 failed (rows, not benchmarks" in page
 
 
 def test_pytest_bench_benchmark_json(tmp_path: Path) -> None:
