@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -130,6 +131,14 @@ PEER_GBPS = Metric(
     lambda r, b: _num(r, "peer_gbps"),
     lambda r: f"{r.get('op')} {_size(r.get('size_bytes'))} at {r.get('max_sms')} SMs",
 )
+PEER_GBPS_PER_SM = Metric(
+    " GB/s",
+    lambda r, b: None if (v := _num(r, "peer_gbps")) is None or not r.get("max_sms") else v / r["max_sms"],
+    lambda r: (
+        f"{r.get('op')} {_size(r.get('size_bytes'))}: {_num(r, 'peer_gbps') or 0:.4g} GB/s at "
+        f"{r.get('max_sms')} SMs"
+    ),
+)
 SLOWDOWN_OVER_BOUND = Metric(
     "x",
     lambda r, b: _ratio(_num(r, "slowdown"), _num(r, "slowdown_bound")),
@@ -199,11 +208,25 @@ class Target:
         return [self.measured] + ([{**self.measured, **self.baseline}] if self.baseline else [])
 
 
-def _busbw_vs_nccl(rows: Sequence[Row]) -> list[Candidate] | str:
-    """Per collective, at the largest size both ran: smptk's best busbw at <= 1/3 of the CTAs NCCL's
-    default communicator launched (``nccl_ctas_observed.max``), over NCCL's busbw."""
+def _busbw_vs_nccl(
+    rows: Sequence[Row], *, cta_share: float = 1 / 3, copy_engine: bool = False, collectives: tuple = ()
+) -> list[Candidate] | str:
+    """Per collective, at the largest size both ran: smptk's best busbw over NCCL's (default communicator).
+
+    SM-kernel rows (``copy_engine`` False) count at ``1 <= max_sms <= cta_share`` x the CTAs NCCL launched
+    (``nccl_ctas_observed.max``); with ``copy_engine`` only the 0-SM copy-engine rows count, at any CTA count
+    of NCCL's. ``collectives`` limits the collectives judged (empty: all)."""
     nccl = [r for r in rows if r.get("suite") == "comm_dist_nccl" and r.get("nccl_config") == "default"]
-    smptk = [r for r in rows if r.get("suite") == "comm_dist_bandwidth" and r.get("impl") == "smptk"]
+    smptk = [
+        r
+        for r in rows
+        if r.get("suite") == "comm_dist_bandwidth"
+        and r.get("impl") == "smptk"
+        and isinstance(r.get("max_sms"), int)
+        and ((r["max_sms"] == 0) if copy_engine else (r["max_sms"] >= 1))
+    ]
+    if collectives:
+        nccl = [r for r in nccl if r.get("collective") in collectives]
     if not nccl or not smptk:
         return "needs comm_dist_bandwidth (smptk) and comm_dist_nccl (default communicator) rows"
     out, why = [], []
@@ -215,7 +238,7 @@ def _busbw_vs_nccl(rows: Sequence[Row]) -> list[Candidate] | str:
             continue
         ref = max(ours, key=lambda r: r.get("size_bytes") or 0)
         ctas = (ref.get("nccl_ctas_observed") or {}).get("max")
-        if not isinstance(ctas, int) or ctas < 1:
+        if not copy_engine and (not isinstance(ctas, int) or ctas < 1):
             why.append(f"{coll}: NCCL's CTA count was not observed ({ref.get('nccl_ctas_note')})")
             continue
         cands = [
@@ -223,12 +246,12 @@ def _busbw_vs_nccl(rows: Sequence[Row]) -> list[Candidate] | str:
             for r in smptk
             if r.get("collective") == coll
             and r.get("size_bytes") == ref.get("size_bytes")
-            and isinstance(r.get("max_sms"), int)
-            and 3 * r["max_sms"] <= ctas
+            and (copy_engine or r["max_sms"] <= cta_share * ctas)
             and _num(r, "busbw_gbps")
         ]
         if not cands or not _num(ref, "busbw_gbps"):
-            why.append(f"{coll}: no smptk row at <= {ctas}/3 SMs")
+            where = "copy-engine row" if copy_engine else f"row at <= {cta_share:.3g} x {ctas} CTAs"
+            why.append(f"{coll}: no smptk {where}")
             continue
         best = max(cands, key=lambda r: _num(r, "busbw_gbps") or 0)
         ours_gbps = f"{_num(best, 'busbw_gbps'):.4g} GB/s"
@@ -237,7 +260,7 @@ def _busbw_vs_nccl(rows: Sequence[Row]) -> list[Candidate] | str:
                 value=_num(best, "busbw_gbps") / _num(ref, "busbw_gbps"),
                 label=f"{coll} {_size(ref.get('size_bytes'))}",
                 measured=f"smptk {best.get('op')} {ours_gbps} at {best['max_sms']} SMs",
-                baseline=f"NCCL {_num(ref, 'busbw_gbps'):.4g} GB/s at {ctas} CTAs",
+                baseline=f"NCCL {_num(ref, 'busbw_gbps'):.4g} GB/s at {ctas or '?'} CTAs",
                 test_ids=(str(best.get("test_id")), str(ref.get("test_id"))),
             )
         )
@@ -385,6 +408,64 @@ TARGETS: tuple[Target, ...] = (
         1.0,
         min_gpus=2,
         candidates=_busbw_vs_nccl,
+        bench_ids=("test_comm_dist[bandwidth]", "test_comm_dist[nccl]"),
+    ),
+    Target(
+        "comm.simulated_gbps_per_sm",
+        10,
+        "simulated world W=8: peer traffic per SM at 1..8 SMs, sizes >= 64 MiB, every collective (worst)",
+        {
+            "suite": "comm_simulated",
+            "world": 8,
+            "max_sms": lambda k: 1 <= k <= 8,
+            "size_bytes": lambda n: n >= 64 * MiB,
+        },
+        PEER_GBPS_PER_SM,
+        ">=",
+        65,
+    ),
+    *(
+        Target(
+            f"comm.simulated_{coll}_gbps",
+            10,
+            f"simulated world W=8: {coll} peer traffic at <= 8 SMs, sizes >= 64 MiB (best case)",
+            {
+                "suite": "comm_simulated",
+                "world": 8,
+                "op": coll,
+                "max_sms": lambda k: 1 <= k <= 8,
+                "size_bytes": lambda n: n >= 64 * MiB,
+            },
+            PEER_GBPS,
+            ">=",
+            480,
+            aggregate="best",
+        )
+        for coll in ("all_gather", "reduce_scatter")
+    ),
+    Target(
+        "comm.busbw_vs_nccl_same_ctas",
+        10,
+        "busbw over NCCL's (default communicator) at no more SMs than the CTAs NCCL launched, largest size, "
+        "each collective: worst",
+        {"suite": ("comm_dist_bandwidth", "comm_dist_nccl")},
+        Metric("x", lambda r, b: None, lambda r: ""),
+        ">=",
+        1.0,
+        min_gpus=2,
+        candidates=functools.partial(_busbw_vs_nccl, cta_share=1.0),
+        bench_ids=("test_comm_dist[bandwidth]", "test_comm_dist[nccl]"),
+    ),
+    Target(
+        "comm.copy_engine_all_gather_vs_nccl",
+        10,
+        "copy-engine all-gather (0 SMs) busbw over NCCL's (default communicator), largest size",
+        {"suite": ("comm_dist_bandwidth", "comm_dist_nccl")},
+        Metric("x", lambda r, b: None, lambda r: ""),
+        ">=",
+        0.9,
+        min_gpus=2,
+        candidates=functools.partial(_busbw_vs_nccl, copy_engine=True, collectives=("all_gather",)),
         bench_ids=("test_comm_dist[bandwidth]", "test_comm_dist[nccl]"),
     ),
 )

@@ -62,7 +62,7 @@ def judge(target_id: str, rows: list[dict], gpu_count: int | None = 1) -> T.Resu
 def test_targets_table_is_well_formed() -> None:
     ids = [t.id for t in T.TARGETS]
     assert len(ids) == len(set(ids))
-    assert {t.issue for t in T.TARGETS} == {3, 4, 9}
+    assert {t.issue for t in T.TARGETS} == {3, 4, 9, 10}
     for t in T.TARGETS:
         assert t.op in (">=", "<=") and t.description and t.threshold_text.startswith(t.op)
 
@@ -191,6 +191,39 @@ def test_busbw_target_needs_two_gpus_and_reads_nccl_ctas() -> None:
     unseen = [*rows[:2], rows[2] | {"nccl_ctas_observed": None, "nccl_ctas_note": "no trace"}]
     result = judge("comm.busbw_vs_nccl", unseen, gpu_count=8)
     assert result.status == "not measured" and "not observed" in result.reason
+
+
+def test_issue10_targets_per_sm_peer_rate_and_copy_engine_vs_nccl() -> None:
+    sim = {"suite": "comm_simulated", "world": 8, "size_bytes": 256 << 20}
+    rows = [
+        row("smptk", 1.0, **sim, op="all_gather", max_sms=8, peer_gbps=560.0),  # 70 GB/s per SM
+        row("smptk", 1.0, **sim, op="reduce_scatter", max_sms=2, peer_gbps=120.0),  # 60 per SM
+        row("smptk", 1.0, **sim, op="reduce_scatter", max_sms=8, peer_gbps=470.0),  # 58.75: worst
+        row("smptk", 1.0, **sim, op="all_to_all", max_sms=0, peer_gbps=900.0),  # copy engine: not per SM
+    ]
+    per_sm = judge("comm.simulated_gbps_per_sm", rows)
+    assert per_sm.status == "not met" and per_sm.value == pytest.approx(470.0 / 8)
+    assert judge("comm.simulated_all_gather_gbps", rows).status == "met"
+    rs = judge("comm.simulated_reduce_scatter_gbps", rows)
+    assert rs.status == "not met" and rs.value == pytest.approx(470.0)
+
+    bw = {"suite": "comm_dist_bandwidth", "collective": "all_gather", "size_bytes": 1 << 30}
+    nccl = {"suite": "comm_dist_nccl", "collective": "all_gather", "size_bytes": 1 << 30}
+    dist_rows = [
+        row("smptk", 1.0, **bw, op="all_gather", max_sms=0, busbw_gbps=300.0),
+        row("smptk", 1.0, **bw, op="all_gather", max_sms=16, busbw_gbps=380.0),  # <= 16 CTAs: counts
+        row("smptk", 1.0, **bw, op="all_gather", max_sms=32, busbw_gbps=900.0),  # > NCCL's 16 CTAs
+        row("torch.distributed:nccl", 1.0, **nccl, nccl_config="default", busbw_gbps=360.0)
+        | {"nccl_ctas_observed": {"max": 16}},
+    ]
+    same = judge("comm.busbw_vs_nccl_same_ctas", dist_rows, gpu_count=8)
+    assert same.status == "met" and same.value == pytest.approx(380.0 / 360.0)
+    ce = judge("comm.copy_engine_all_gather_vs_nccl", dist_rows, gpu_count=8)
+    assert ce.status == "not met" and ce.value == pytest.approx(300.0 / 360.0)
+    assert "0 SMs" in ce.measured
+    # the 1/3-of-NCCL's-CTAs target never takes the copy-engine row
+    third = judge("comm.busbw_vs_nccl", dist_rows, gpu_count=8)
+    assert third.status == "not measured" and "no smptk row" in third.reason
 
 
 # ----------------------------------------------------------------------------- benchmark order
