@@ -1,0 +1,155 @@
+"""Cross-entropy over vocab-sharded logits, never materializing the full ``[.., V]`` logits on one rank.
+
+Legend: ``T`` ranks of the tensor-parallel group, ``r`` this rank's index in it, ``V`` the vocabulary,
+``Vl = V / T`` the shard, ``M`` tokens (the logits' leading dims flattened).
+
+Rank r holds ``logits_local [.., Vl]``, the columns ``r*Vl .. (r+1)*Vl`` of the full logits: the output of
+a :class:`~smptk.parallel.ColumnParallelLinear` head with ``gather_output=False``. Per token, in fp32
+(Megatron-LM's vocab-parallel cross-entropy, in three collectives of ``M`` values each, not ``M * V``):
+
+1. ``m = max_v logits`` by a max all-reduce of the local maxima (for a stable exp);
+2. ``sum_v exp(logits - m)`` and the target's logit ``logits[target] - m`` (zero on the ranks whose
+   shard does not hold the target) by one sum all-reduce of the two stacked;
+3. ``loss = log(sum exp) - (logits[target] - m)``.
+
+Backward, with no collective: ``softmax - onehot(target)`` on the local shard (softmax saved in fp32
+from the forward), times the upstream gradient; tokens whose target is ``ignore_index`` get zero.
+``reduction``: "mean" over the tokens not ignored (NaN when all are, as ``F.cross_entropy``), "sum" or
+"none" (``[..]``, zero at ignored tokens). The loss is fp32 and the same on every rank (count it once);
+the gradient has the logits' dtype. The collectives are :func:`smptk.comm.all_reduce`, so the symmetric
+heap and its torch.distributed fallback apply.
+
+Example (each rank of a 2-rank tensor-parallel group, vocabulary 1000)::
+
+    >>> head = ColumnParallelLinear(512, 1000, bias=False)               # weight Shard(0) over V
+    >>> loss = vocab_parallel_cross_entropy(head(h), target)            # logits_local [b, s, 500]
+    >>> loss.backward()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from smptk import comm
+from smptk.comm.functional import GroupLike, resolve_group
+from smptk.parallel.tensor_parallel import _check_index_range
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_MV, target_M, group, ignore_index, reduction, vocab_start):
+        vl = logits_MV.shape[1]
+        x = logits_MV.float()
+        m = x.amax(dim=1)
+        comm.all_reduce(m, "max", group)
+        x = x - m.unsqueeze(1)
+        e = x.exp()
+        valid = target_M != ignore_index
+        local_t = target_M - vocab_start
+        in_shard = valid & (local_t >= 0) & (local_t < vl)
+        idx = local_t.clamp(0, vl - 1).unsqueeze(1)
+        picked = torch.where(in_shard, x.gather(1, idx).squeeze(1), 0.0)
+        both = torch.stack([e.sum(dim=1), picked])  # [2, M]
+        comm.all_reduce(both, "sum", group)
+        sum_exp, target_logit = both[0], both[1]
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)  # [M] fp32
+        count = valid.sum()
+        e /= sum_exp.unsqueeze(1)  # softmax, in place
+        ctx.save_for_backward(e, idx, in_shard, valid, count)
+        ctx.reduction, ctx.logits_dtype = reduction, logits_MV.dtype
+        if reduction == "mean":
+            return loss.sum() / count
+        if reduction == "sum":
+            return loss.sum()
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, in_shard, valid, count = ctx.saved_tensors
+        if ctx.reduction == "mean":
+            scale = (g.float() / count).expand(valid.shape)
+        elif ctx.reduction == "sum":
+            scale = g.float().expand(valid.shape)
+        else:
+            scale = g.float()
+        scale = torch.where(valid, scale, 0.0).unsqueeze(1)  # [M, 1]
+        grad = softmax.clone()
+        grad.scatter_add_(1, idx, -in_shard.to(grad.dtype).unsqueeze(1))
+        grad *= scale
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group: GroupLike = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of vocab-sharded logits against global target ids; see the module docstring.
+
+    Args:
+        logits_local: ``[.., Vl]`` float (any float dtype; the math is fp32), this rank's vocabulary
+            columns ``r*Vl .. (r+1)*Vl``; every rank of the group holds the same ``Vl``. A DTensor
+            sharded on its last dim is taken as its local shard.
+        target: integer ``[..]`` (the logits' leading dims) of global ids in ``0 .. T*Vl - 1``, or
+            ``ignore_index``; the same on every rank.
+        group: the tensor-parallel group (a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)``); default
+            ``smptk.parallel.current().group("tp")``.
+        ignore_index: target value that contributes no loss and no gradient.
+        reduction: "mean" (over the tokens not ignored), "sum" or "none".
+
+    Returns:
+        fp32 loss: a scalar, or ``[..]`` for "none"; the same on every rank.
+    """
+    if isinstance(logits_local, DTensor):
+        if tuple(logits_local.placements) != (Shard(logits_local.dim() - 1),):
+            raise ValueError(
+                f"logits_local: a DTensor must be sharded on its last (vocabulary) dim, got placements "
+                f"{tuple(logits_local.placements)}"
+            )
+        logits_local = logits_local.to_local()
+    if not isinstance(logits_local, torch.Tensor) or not logits_local.is_floating_point():
+        raise TypeError(f"logits_local: expected a float tensor [..., V/T], got {_describe(logits_local)}")
+    if logits_local.dim() < 1 or logits_local.shape[-1] == 0:
+        raise ValueError(
+            f"logits_local: expected shape [..., V/T] with V/T >= 1, got {tuple(logits_local.shape)}"
+        )
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dtype == torch.bool:
+        raise TypeError(f"target: expected an integer tensor of class ids, got {_describe(target)}")
+    if tuple(target.shape) != tuple(logits_local.shape[:-1]):
+        raise ValueError(
+            f"target: expected shape {tuple(logits_local.shape[:-1])} (the logits' leading dims), got "
+            f"{tuple(target.shape)} (logits_local {tuple(logits_local.shape)})"
+        )
+    if target.device != logits_local.device:
+        raise ValueError(f"target: on {target.device} but logits_local is on {logits_local.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    if group is None:
+        from smptk.parallel.config import current
+
+        pg = current().group("tp")
+    else:
+        pg = resolve_group(group)
+    tp, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    vl = logits_local.shape[-1]
+    _check_index_range("target", target, tp * vl, ignore_index)
+    lead = target.shape
+    loss = _VocabParallelCrossEntropy.apply(
+        logits_local.reshape(-1, vl), target.reshape(-1).long(), pg, ignore_index, reduction, rank * vl
+    )
+    return loss.view(lead) if reduction == "none" else loss
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} of shape {tuple(t.shape)}"
+    return type(t).__name__

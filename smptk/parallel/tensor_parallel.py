@@ -1,0 +1,599 @@
+"""Tensor- and sequence-parallel layers with DTensor parameters on the ``tp`` mesh (styles: tp_styles.py).
+
+Legend: ``T`` the tensor-parallel size (``tp`` mesh), ``r`` this rank's coordinate on it, ``s`` sequence
+length, ``K`` / ``N`` input / output features, ``V`` vocabulary size; ``[..]`` any leading dims.
+
+- :class:`ColumnParallelLinear`: weight ``[N, K]`` as DTensor ``Shard(0)`` (rank r holds rows
+  ``r*N/T .. (r+1)*N/T``), bias ``Shard(0)``; ``y_local = act(x @ w_local.T + b_local)`` ``[.., N/T]``,
+  or with ``swiglu=True`` a gate/up pair ``silu(x @ wg_local.T) * (x @ wu_local.T)``. Input: the
+  replicated ``[.., K]``, or with ``sequence_parallel=True`` this rank's sequence block (all-gathered
+  along ``sequence_dim`` before the GEMM; backward: reduce-scatter). ``gather_output=True`` returns the
+  full ``[.., N]`` on every rank.
+- :class:`RowParallelLinear`: weight ``[N, K]`` as ``Shard(1)``, bias replicated; input ``[.., K/T]``
+  (``input_is_parallel=True``: a column-parallel layer's output) or the replicated ``[.., K]``;
+  ``y = sum_r x_r @ w_r.T`` by all-reduce, or with ``sequence_parallel=True`` reduce-scattered along
+  ``sequence_dim`` (``[.., s/T, .., N]``); the bias is added once, after the reduction.
+- :class:`VocabParallelEmbedding`: weight ``[V, H]`` as ``Shard(0)`` over the vocabulary; ids outside
+  this rank's rows look up zeros, then all-reduce (or reduce-scatter along ``sequence_dim``).
+- :func:`smptk.parallel.loss.vocab_parallel_cross_entropy` takes the vocab-sharded logits of a
+  column-parallel head (``gather_output=False``).
+- ParallelStyles for ``torch.distributed.tensor.parallel.parallelize_module``
+  (:mod:`smptk.parallel.tp_styles`): ``SmptkColwiseParallel`` and ``SmptkRowwiseParallel`` turn an
+  ``nn.Linear`` into the layers above, ``SmptkVocabParallel`` an ``nn.Embedding``, with its weights.
+
+Parameters are DTensors on the 1-D ``tp`` mesh (default ``smptk.parallel.current().submesh("tp")``),
+so FSDP2's ``fully_shard`` and ``torch.distributed.checkpoint`` handle them as they handle torch's own
+tensor-parallel parameters; the forward runs ``smptk.kernels.fused_linear`` / ``swiglu`` /
+``F.embedding`` on the local shards (``to_local()``) and the collectives of :mod:`smptk.comm.functional`
+(so ``smptk.comm``'s symmetric heap, its torch.distributed fallback and the ``max_sms`` that
+``smptk.parallel.init`` configures from ``comm_max_sms`` apply). Outputs are plain local tensors.
+Feature and vocabulary sizes that are sharded must be divisible by T (an error names the numbers;
+pad the vocabulary to a multiple of T, as Megatron-LM's ``make_vocab_size_divisible_by`` does).
+
+Sequence dim. Activations in a sequence-parallel region are split along ``sequence_dim`` (default 1:
+``[b, s, h]``, torchtitan's layout; pass 0 for Megatron-LM's ``[s, b, h]``, negative values count from
+the end, so -2 serves both ``[b, s, h]`` and ``[s, h]``). Rank r holds sequence block r.
+
+Gradients follow :mod:`smptk.comm.functional`'s convention: the objective is the sum of the ranks'
+losses, where a rank's loss covers what it holds; a replicated tensor's loss counts once. So a
+replicated input enters through ``copy_to_group`` (its gradient is all-reduced), a partial sum leaves a
+replicated region through ``reduce_from_group``, and a replicated parameter that sees only this rank's
+sequence block (the row-parallel bias under sequence parallelism) gets its gradient all-reduced, so
+every rank holds the whole gradient of every replicated parameter.
+
+Paths. ``last_path`` on each layer names the path of its last forward: "unfused" (the collective, then
+the GEMM on the local shard, as here; the fused all-gather/reduce-scatter GEMM kernels are another
+path that slots in beside it), and ``last_kernel_path`` the kernel path ("triton" or "torch",
+:func:`smptk.kernels.runtime.select_path`); ``smptk.comm.last_path()`` names the collective's.
+
+Initialization (``reset_parameters``) reproduces the unsharded module exactly: each rank draws the full
+weight from one generator, in ``nn.Linear`` / ``nn.Embedding``'s order, and keeps its slice
+(:mod:`smptk.parallel.shard_init`: which generator, and the time / memory trade-off). Construction with
+``device="meta"`` allocates and draws nothing; ``to_empty(device=...)`` then ``reset_parameters()``
+materializes the shards (also after ``fully_shard``).
+
+Example (every rank of a 2-rank tensor-parallel job)::
+
+    >>> import smptk.parallel as sp
+    >>> state = sp.init({"tensor_parallel_degree": 2})
+    >>> up = sp.ColumnParallelLinear(64, 256, activation="gelu")   # weight: DTensor [256, 64], Shard(0)
+    >>> down = sp.RowParallelLinear(256, 64)                       # weight: DTensor [64, 256], Shard(1)
+    >>> y = down(up(torch.randn(4, 16, 64)))                       # [4, 16, 64], equal on both ranks
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import smptk.comm.functional as cf
+from smptk.kernels import fused_linear, runtime
+from smptk.kernels import swiglu as swiglu_kernel
+from smptk.kernels._checks import ACTIVATIONS
+from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
+
+PATHS = ("unfused",)  # what ``last_path`` can say; the fused TP kernels add theirs
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    """``mesh``, checked to be 1-D, or the current state's ``tp`` submesh."""
+    if mesh is None:
+        from smptk.parallel.config import current
+
+        return current().submesh("tp")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh: expected a 1-D DeviceMesh (e.g. state.submesh('tp')), got {type(mesh).__name__}"
+        )
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+        raise ValueError(
+            f"mesh: expected a 1-D DeviceMesh, got {mesh.ndim} dimensions {tuple(names)}; pass mesh['tp']"
+        )
+    return mesh
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _check_divisible(name: str, value: int, tp: int, what: str = "") -> int:
+    if value % tp:
+        hint = what or f"pad it to a multiple of {tp} (e.g. {-(-value // tp) * tp})"
+        raise ValueError(
+            f"{name} {value} is not divisible by the tensor-parallel size {tp}: each of the {tp} ranks "
+            f"holds an equal shard; {hint}"
+        )
+    return value // tp
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_sequence_dim(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"sequence_dim: expected an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _param_device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
+    """``device``, or the mesh's device (the current CUDA device for a CUDA mesh)."""
+    if device is not None:
+        return torch.device(device)
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _sharded_param(
+    full_shape: tuple[int, ...], placement, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype
+) -> nn.Parameter:
+    """An uninitialized DTensor parameter of global ``full_shape``; only this rank's shard is allocated."""
+    local_shape = list(full_shape)
+    if isinstance(placement, Shard):
+        local_shape[placement.dim] //= mesh.size()
+    local = torch.empty(local_shape, device=device, dtype=dtype)
+    stride = torch.empty(full_shape, device="meta").stride()
+    dt = DTensor.from_local(
+        local, mesh, [placement], run_check=False, shape=torch.Size(full_shape), stride=stride
+    )
+    return nn.Parameter(dt)
+
+
+def _shard_of(full: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None) -> nn.Parameter:
+    """``full`` (the same on every rank, or taken from ``src_data_rank``) as a DTensor parameter."""
+    if full.is_meta:
+        param = _sharded_param(tuple(full.shape), placement, mesh, full.device, full.dtype)
+    else:
+        param = nn.Parameter(distribute_tensor(full.detach(), mesh, [placement], src_data_rank=src_data_rank))
+    return param
+
+
+def _from_linear(cls, linear, w_placement, b_placement, mesh, src_data_rank, options):
+    """A ``cls`` layer (built on meta) holding ``linear``'s weight and bias under the given placements."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+    w, b = linear.weight, linear.bias
+    layer = cls(
+        linear.in_features,
+        linear.out_features,
+        b is not None,
+        mesh=mesh,
+        device="meta",
+        dtype=w.dtype,
+        **options,
+    )
+    layer.weight = _shard_of(w, w_placement, layer.mesh, src_data_rank)
+    if b is not None:
+        layer.bias = _shard_of(b, b_placement, layer.mesh, src_data_rank)
+    return layer
+
+
+def _local_input(x: object, mesh: DeviceMesh, name: str, shard_dim: int | None = None) -> torch.Tensor:
+    """``x`` as this rank's local tensor: a plain tensor, or a DTensor on ``mesh`` that is Replicate (or,
+    when ``shard_dim`` is given, sharded along that dim of ``x``; negative counts from the end)."""
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh:
+            raise ValueError(
+                f"{name}: a DTensor on mesh {x.device_mesh}, but the layer's parameters are on {mesh}"
+            )
+        allowed = [(Replicate(),)] if shard_dim is None else [(Shard(shard_dim % x.dim()),)]
+        if tuple(x.placements) not in allowed:
+            raise ValueError(
+                f"{name}: a DTensor with placements {tuple(x.placements)}; this layer takes {allowed[0]} "
+                "(or a plain local tensor)"
+            )
+        return x.to_local()
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or DTensor, got {type(x).__name__}")
+    return x
+
+
+def _seq_dim(sequence_dim: int, ndim: int, name: str, shape: tuple) -> int:
+    """``sequence_dim`` as an index into an activation of ``ndim`` dims, which must not be the feature dim."""
+    if not -ndim <= sequence_dim < ndim or sequence_dim % ndim == ndim - 1:
+        raise ValueError(
+            f"{name}: sequence_dim {sequence_dim} does not name a sequence dimension of shape {shape} "
+            f"(the last dimension holds the features)"
+        )
+    return sequence_dim % ndim
+
+
+def _check_seq_divisible(name: str, length: int, dim: int, shape: tuple, tp: int) -> None:
+    if length % tp:
+        raise ValueError(
+            f"{name}: sequence length {length} (dim {dim} of shape {shape}) is not divisible by the "
+            f"tensor-parallel size {tp}; sequence_parallel=True gives each rank an equal block"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ layers
+
+
+class _TensorParallelLayer(nn.Module):
+    """What every layer here shares: the mesh and its group, the sequence-parallel settings, the paths."""
+
+    def _setup(self, mesh: DeviceMesh | None, sequence_parallel: bool, sequence_dim: int) -> None:
+        self.mesh = _tp_mesh(mesh)
+        self.tp_size = self.mesh.size()
+        self.tp_rank = self.mesh.get_local_rank()
+        self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
+        self.sequence_dim = _check_sequence_dim(sequence_dim)
+        self.last_path: str | None = None
+        self.last_kernel_path: str | None = None
+
+    @property
+    def group(self):
+        """The ProcessGroup of :attr:`mesh` (not stored: a module holding one could not be deep-copied)."""
+        return self.mesh.get_group()
+
+
+class ColumnParallelLinear(_TensorParallelLayer):
+    """``act(x @ W.T + b)`` with ``W [N, K]`` split by output rows over the ``tp`` mesh: ``[.., N/T]`` a rank.
+
+    Args:
+        in_features, out_features: K and N; N must be divisible by T.
+        bias: learn a bias ``[N]`` (``Shard(0)``). Not with ``swiglu``.
+        activation: None, "relu", "gelu", "gelu_tanh" or "silu", fused into the GEMM's epilogue.
+        swiglu: hold a gate/up pair ``weight_gate``, ``weight_up`` (``[N, K]`` each, ``Shard(0)``) and
+            return ``silu(x @ Wg.T) * (x @ Wu.T)`` (``smptk.kernels.swiglu``), a Llama MLP's first half.
+        sequence_parallel: ``x`` is this rank's block of the sequence along ``sequence_dim``; it is
+            all-gathered before the GEMM (backward: reduce-scatter of its gradient).
+        sequence_dim: see the module docstring (default 1: ``[b, s, h]``).
+        gather_output: all-gather the output's features, returning ``[.., N]`` on every rank (for a
+            replicated consumer; backward keeps this rank's slice of the gradient).
+        mesh: 1-D DeviceMesh; default ``smptk.parallel.current().submesh("tp")``.
+        device, dtype: of the local shards; device defaults to the mesh's; "meta" allocates nothing.
+
+    Input ``x [.., K]`` (plain, or a DTensor: Replicate, or ``Shard(sequence_dim)`` with sequence
+    parallelism). Output: local ``[.., N/T]`` (the sequence gathered with sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        activation: str | None = None,
+        swiglu: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        gather_output: bool = False,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self._setup(mesh, sequence_parallel, sequence_dim)
+        self.in_features = _check_size("in_features", in_features)
+        self.out_features = _check_size("out_features", out_features)
+        _check_divisible("out_features", out_features, self.tp_size, "choose out_features divisible by it")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
+        self.swiglu = _check_bool("swiglu", swiglu)
+        if swiglu and activation is not None:
+            raise ValueError(
+                f"activation: swiglu=True applies silu to the gate itself; got activation={activation!r}"
+            )
+        if swiglu and bias:
+            raise ValueError(
+                "bias: the SwiGLU pair has no bias (smptk.kernels.swiglu takes none); pass bias=False"
+            )
+        self.activation = activation
+        self.gather_output = _check_bool("gather_output", gather_output)
+        device = _param_device(self.mesh, device)
+        dtype = dtype or torch.get_default_dtype()
+        self._weights = ("weight_gate", "weight_up") if swiglu else ("weight",)
+        for name in self._weights:
+            self.register_parameter(
+                name, _sharded_param((out_features, in_features), Shard(0), self.mesh, device, dtype)
+            )
+        b = _sharded_param((out_features,), Shard(0), self.mesh, device, dtype) if bias else None
+        self.register_parameter("bias", b)
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Each weight (gate, then up) as ``nn.Linear(K, N)`` draws it, then the bias (module docstring)."""
+        init_linear(self, self._weights, generator)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, mesh: DeviceMesh | None = None, src_data_rank: int | None = 0, **options
+    ) -> ColumnParallelLinear:
+        """A new layer holding ``linear``'s weight and bias, split by rows (``linear`` is left as it is).
+
+        ``src_data_rank``: the group rank whose weights every rank receives (torch scatters them), or None
+        when every rank holds the same ones already. ``options``: the constructor's keyword arguments.
+        """
+        return _from_linear(cls, linear, Shard(0), Shard(0), mesh, src_data_rank, options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _local_input(x, self.mesh, "x", self.sequence_dim if self.sequence_parallel else None)
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x: expected [..., {self.in_features}] (in_features), got shape {tuple(x.shape)}"
+            )
+        if self.sequence_parallel:
+            d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
+            x = cf.all_gather(x, self.group, dim=d)
+        else:
+            x = cf.copy_to_group(x, self.group)
+        weights = [getattr(self, n).to_local() for n in self._weights]
+        self.last_kernel_path = runtime.select_path(x, weights[0])
+        if self.swiglu:
+            y = swiglu_kernel(x, *weights)
+        else:
+            b = self.bias.to_local() if self.bias is not None else None
+            y = fused_linear(x, weights[0], b, activation=self.activation)
+        if self.gather_output:
+            # Zero-pad this rank's features into place and sum: the gather, with a backward that keeps
+            # this rank's slice (the consumer is replicated); an all-gather's backward would sum T copies.
+            n = y.shape[-1]
+            y = F.pad(y, (self.tp_rank * n, (self.tp_size - 1 - self.tp_rank) * n))
+            y = cf.reduce_from_group(y, self.group)
+        self.last_path = "unfused"
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, activation={self.activation}, swiglu={self.swiglu}, "
+            f"sequence_parallel={self.sequence_parallel}, "
+            f"sequence_dim={self.sequence_dim}, gather_output={self.gather_output}, tp={self.tp_size}"
+        )
+
+
+class RowParallelLinear(_TensorParallelLayer):
+    """``x @ W.T + b`` with ``W [N, K]`` split by input columns over the ``tp`` mesh; partial sums reduced.
+
+    Args:
+        in_features, out_features: K and N; K must be divisible by T.
+        bias: learn a bias ``[N]``, replicated, added once after the reduction.
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` (each rank keeps its
+            sequence block; the sequence length must be divisible by T) instead of all-reducing it.
+        sequence_dim: see the module docstring (default 1: ``[b, s, h]``).
+        input_is_parallel: ``x`` is ``[.., K/T]``, this rank's features (a column-parallel layer's
+            output); False: ``x`` is the replicated ``[.., K]`` and each rank takes its slice.
+        mesh, device, dtype: as for :class:`ColumnParallelLinear`.
+
+    Output: ``[.., N]`` on every rank, or with sequence parallelism this rank's sequence block.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        input_is_parallel: bool = True,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self._setup(mesh, sequence_parallel, sequence_dim)
+        self.in_features = _check_size("in_features", in_features)
+        self.out_features = _check_size("out_features", out_features)
+        self.in_local = _check_divisible(
+            "in_features", in_features, self.tp_size, "choose in_features divisible by it"
+        )
+        self.input_is_parallel = _check_bool("input_is_parallel", input_is_parallel)
+        device = _param_device(self.mesh, device)
+        dtype = dtype or torch.get_default_dtype()
+        self.weight = _sharded_param((out_features, in_features), Shard(1), self.mesh, device, dtype)
+        b = _sharded_param((out_features,), Replicate(), self.mesh, device, dtype) if bias else None
+        self.register_parameter("bias", b)
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The weight and bias as ``nn.Linear(K, N)`` draws them; see the module docstring."""
+        init_linear(self, ("weight",), generator)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, mesh: DeviceMesh | None = None, src_data_rank: int | None = 0, **options
+    ) -> RowParallelLinear:
+        """A new layer holding ``linear``'s weight (split by columns) and bias (replicated); see
+        :meth:`ColumnParallelLinear.from_linear`."""
+        return _from_linear(cls, linear, Shard(1), Replicate(), mesh, src_data_rank, options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_is_parallel:
+            x = _local_input(x, self.mesh, "x", -1)
+            if x.dim() < 1 or x.shape[-1] != self.in_local:
+                raise ValueError(
+                    f"x: expected this rank's features [..., {self.in_local}] (in_features "
+                    f"{self.in_features} / tensor-parallel size {self.tp_size}, input_is_parallel=True), "
+                    f"got shape {tuple(x.shape)}"
+                )
+        else:
+            x = _local_input(x, self.mesh, "x")
+            if x.dim() < 1 or x.shape[-1] != self.in_features:
+                raise ValueError(
+                    f"x: expected the replicated [..., {self.in_features}] (in_features, "
+                    "input_is_parallel=False), "
+                    f"got shape {tuple(x.shape)}"
+                )
+            x = cf.copy_to_group(x, self.group).narrow(-1, self.tp_rank * self.in_local, self.in_local)
+        if self.sequence_parallel:
+            d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
+            _check_seq_divisible("x", x.shape[d], d, tuple(x.shape), self.tp_size)
+        w = self.weight.to_local()
+        self.last_kernel_path = runtime.select_path(x, w)
+        y = fused_linear(x, w)
+        if self.sequence_parallel:
+            y = cf.reduce_scatter(y, self.group, dim=d)
+        else:
+            y = cf.reduce_from_group(y, self.group)
+        if self.bias is not None:
+            b = self.bias.to_local()
+            if self.sequence_parallel:  # each rank's bias gradient covers its tokens only: sum them
+                b = cf.copy_to_group(b, self.group)
+            y = y + b
+        self.last_path = "unfused"
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
+            f"sequence_dim={self.sequence_dim}, "
+            f"input_is_parallel={self.input_is_parallel}, tp={self.tp_size}"
+        )
+
+
+class VocabParallelEmbedding(_TensorParallelLayer):
+    """``nn.Embedding`` with its ``[V, H]`` table split by vocabulary rows over the ``tp`` mesh.
+
+    Rank r holds ids ``r*V/T .. (r+1)*V/T``: it looks up the ids in its range, zeros the others, and the
+    partial rows are summed by an all-reduce (or, with ``sequence_parallel``, a reduce-scatter along
+    ``sequence_dim`` of the output). V must be divisible by T (pad the vocabulary).
+
+    Args:
+        num_embeddings, embedding_dim: V and H.
+        padding_idx: as ``nn.Embedding``'s: that row starts at zero and gets no gradient.
+        sequence_parallel, sequence_dim: the output's sequence split (``sequence_dim`` indexes the
+            output ``[.., H]``; default 1: ids ``[b, s]`` give ``[b, s/T, H]``).
+        mesh, device, dtype: as for :class:`ColumnParallelLinear`.
+
+    Input: integer ids ``[..]`` in ``0 .. V-1``, replicated (the same on every rank); an id out of range
+    raises IndexError (on CUDA a device-side assert, as ``nn.Embedding``'s, without a host sync).
+    Output: ``[.., H]``, or this rank's sequence block of it.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        padding_idx: int | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self._setup(mesh, sequence_parallel, sequence_dim)
+        self.num_embeddings = _check_size("num_embeddings", num_embeddings)
+        self.embedding_dim = _check_size("embedding_dim", embedding_dim)
+        self.vocab_local = _check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        self.vocab_start = self.tp_rank * self.vocab_local
+        if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+                raise TypeError(f"padding_idx: expected an int or None, got {padding_idx!r}")
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx: {padding_idx} is outside the vocabulary of {num_embeddings}")
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        device = _param_device(self.mesh, device)
+        dtype = dtype or torch.get_default_dtype()
+        self.weight = _sharded_param((num_embeddings, embedding_dim), Shard(0), self.mesh, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """N(0, 1) as ``nn.Embedding`` draws it, the padding row zeroed; see the module docstring."""
+        if local(self.weight).is_meta:
+            return
+        fill_shard(
+            self.weight, lambda block, gen: nn.init.normal_(block, generator=gen), init_generator(generator)
+        )
+        local_pad = self._local_padding_idx()
+        if local_pad is not None:
+            with torch.no_grad():
+                self.weight.to_local()[local_pad].zero_()
+
+    def _local_padding_idx(self) -> int | None:
+        p = self.padding_idx
+        if p is not None and self.vocab_start <= p < self.vocab_start + self.vocab_local:
+            return p - self.vocab_start
+        return None
+
+    @classmethod
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        *,
+        mesh: DeviceMesh | None = None,
+        src_data_rank: int | None = 0,
+        **options,
+    ) -> VocabParallelEmbedding:
+        """A new layer holding ``embedding``'s table split by rows (see ColumnParallelLinear.from_linear)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"embedding: expected an nn.Embedding, got {type(embedding).__name__}")
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError(
+                "embedding: max_norm, scale_grad_by_freq and sparse are not supported by "
+                "VocabParallelEmbedding"
+            )
+        w = embedding.weight
+        layer = cls(
+            embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
+            mesh=mesh, device="meta", dtype=w.dtype, **options,
+        )  # fmt: skip
+        layer.weight = _shard_of(w, Shard(0), layer.mesh, src_data_rank)
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = _local_input(ids, self.mesh, "ids")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"ids: expected an integer tensor, got {ids.dtype}")
+        _check_index_range("ids", ids, self.num_embeddings)
+        if self.sequence_parallel:
+            d = _seq_dim(self.sequence_dim, ids.dim() + 1, "ids", (*ids.shape, self.embedding_dim))
+            _check_seq_divisible("ids", ids.shape[d], d, tuple(ids.shape), self.tp_size)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.vocab_local)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local_ids, self.weight.to_local(), self._local_padding_idx())
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            y = cf.reduce_scatter(y, self.group, dim=d)
+        else:
+            y = cf.reduce_from_group(y, self.group)
+        self.last_path = "unfused"
+        self.last_kernel_path = "torch"
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+            f"sequence_parallel={self.sequence_parallel}, sequence_dim={self.sequence_dim}, tp={self.tp_size}"
+        )
+
+
+def _check_index_range(name: str, idx: torch.Tensor, size: int, ignore_index: int | None = None) -> None:
+    """Raise IndexError when an element of ``idx`` (other than ``ignore_index``) is outside ``0 .. size-1``.
+
+    CPU: a host check naming the offending value. CUDA: ``torch._assert_async`` (a device-side assert,
+    as ``nn.Embedding`` and ``F.cross_entropy`` raise there), so no host sync stalls the step.
+    """
+    bad = (idx < 0) | (idx >= size)
+    if ignore_index is not None:
+        bad &= idx != ignore_index
+    if idx.device.type == "cuda":
+        torch._assert_async(~bad.any(), f"{name}: an index is outside 0..{size - 1}")
+    elif idx.device.type != "meta" and bool(bad.any()):
+        value = idx[bad].flatten()[0].item()
+        raise IndexError(f"{name}: index {value} is outside 0..{size - 1}")
+
+
+__all__ = [
+    "PATHS",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+]

@@ -1,0 +1,153 @@
+"""ParallelStyles that turn torch modules into smptk's tensor-parallel layers under ``parallelize_module``.
+
+- :class:`SmptkColwiseParallel`: ``nn.Linear`` -> :class:`~smptk.parallel.ColumnParallelLinear`
+  (weight and bias split by output rows; optional fused activation, sequence parallelism, gathered output).
+- :class:`SmptkRowwiseParallel`: ``nn.Linear`` -> :class:`~smptk.parallel.RowParallelLinear` (weight split
+  by input columns, bias replicated).
+- :class:`SmptkVocabParallel`: ``nn.Embedding`` -> :class:`~smptk.parallel.VocabParallelEmbedding`.
+
+They play the part of torch's ``ColwiseParallel`` / ``RowwiseParallel``, with smptk's kernels and
+collectives underneath: the converted module holds DTensor parameters on the 1-D mesh it is given and
+returns plain local tensors. ``torch.distributed.tensor.parallel.parallelize_module`` ignores what a
+style returns for a submodule, so each style converts the module object in place (its class,
+parameters and attributes; its hooks stay), as ``fully_shard`` changes a module's class. A fused
+activation replaces the one the model applies after the layer: set that one to ``nn.Identity()``.
+
+Example (every rank of the tensor-parallel group)::
+
+    >>> from torch.distributed.tensor.parallel import parallelize_module
+    >>> parallelize_module(model, state.submesh("tp"), {
+    ...     "embed": SmptkVocabParallel(),
+    ...     "mlp.up": SmptkColwiseParallel(), "mlp.down": SmptkRowwiseParallel(),
+    ...     "lm_head": SmptkColwiseParallel(),     # vocab-sharded logits: vocab_parallel_cross_entropy
+    ... })
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from smptk.kernels._checks import ACTIVATIONS
+from smptk.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _check_bool,
+    _check_sequence_dim,
+    _tp_mesh,
+)
+
+_MODULE_KEYS = frozenset(nn.Module().__dict__) - {
+    "_parameters",
+    "_buffers",
+    "_non_persistent_buffers_set",
+    "_modules",
+}
+
+
+def _become(module: nn.Module, new: nn.Module) -> nn.Module:
+    """Turn ``module`` into ``new`` in place (class, parameters, attributes), keeping its hooks and mode.
+
+    ``parallelize_module`` discards what a style's ``_apply`` returns for a submodule, so a style that
+    swaps the layer must change the object the parent holds; ``fully_shard`` changes a module's class
+    the same way.
+    """
+    for key in [k for k in module.__dict__ if k not in _MODULE_KEYS]:
+        del module.__dict__[key]
+    for key, value in new.__dict__.items():
+        if key not in _MODULE_KEYS:
+            module.__dict__[key] = value
+    module.__class__ = new.__class__
+    return module
+
+
+class _LayerStyle(ParallelStyle):
+    """A style that converts the module in place into the layer ``_convert`` builds from it."""
+
+    _convert: Callable[..., nn.Module]
+    options: dict
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"device_mesh: expected a DeviceMesh, got {type(device_mesh).__name__}")
+        convert = type(self)._convert
+        new = convert(module, mesh=_tp_mesh(device_mesh), src_data_rank=self.src_data_rank, **self.options)
+        return _become(module, new)
+
+
+class SmptkColwiseParallel(_LayerStyle):
+    """Turn an ``nn.Linear`` into a :class:`ColumnParallelLinear` holding its weights (split by rows).
+
+    Keyword args: ``activation``, ``sequence_parallel``, ``sequence_dim``, ``gather_output``, as for
+    :class:`ColumnParallelLinear`. The module is converted in place (its hooks stay); its weights come
+    from group rank ``src_data_rank`` of the mesh (``parallelize_module``'s argument; None: each rank's own).
+
+    Example::
+
+        >>> parallelize_module(mlp, state.submesh("tp"), {"up": SmptkColwiseParallel(activation="gelu"),
+        ...                                              "down": SmptkRowwiseParallel()})
+    """
+
+    _convert = ColumnParallelLinear.from_linear
+
+    def __init__(
+        self,
+        *,
+        activation: str | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
+        self.options = {
+            "activation": activation,
+            "sequence_parallel": _check_bool("sequence_parallel", sequence_parallel),
+            "sequence_dim": _check_sequence_dim(sequence_dim),
+            "gather_output": _check_bool("gather_output", gather_output),
+        }
+
+
+class SmptkRowwiseParallel(_LayerStyle):
+    """Turn an ``nn.Linear`` into a :class:`RowParallelLinear` holding its weights (split by columns).
+
+    Keyword args: ``sequence_parallel``, ``sequence_dim``, ``input_is_parallel``, as for
+    :class:`RowParallelLinear`; conversion as :class:`SmptkColwiseParallel`'s.
+    """
+
+    _convert = RowParallelLinear.from_linear
+
+    def __init__(
+        self, *, sequence_parallel: bool = False, sequence_dim: int = 1, input_is_parallel: bool = True
+    ):
+        super().__init__()
+        self.options = {
+            "sequence_parallel": _check_bool("sequence_parallel", sequence_parallel),
+            "sequence_dim": _check_sequence_dim(sequence_dim),
+            "input_is_parallel": _check_bool("input_is_parallel", input_is_parallel),
+        }
+
+
+class SmptkVocabParallel(_LayerStyle):
+    """Turn an ``nn.Embedding`` into a :class:`VocabParallelEmbedding` holding its table (split by rows).
+
+    Keyword args: ``sequence_parallel``, ``sequence_dim``, as for :class:`VocabParallelEmbedding`;
+    conversion as :class:`SmptkColwiseParallel`'s.
+    """
+
+    _convert = VocabParallelEmbedding.from_embedding
+
+    def __init__(self, *, sequence_parallel: bool = False, sequence_dim: int = 1):
+        super().__init__()
+        self.options = {
+            "sequence_parallel": _check_bool("sequence_parallel", sequence_parallel),
+            "sequence_dim": _check_sequence_dim(sequence_dim),
+        }
+
+
+__all__ = ["SmptkColwiseParallel", "SmptkRowwiseParallel", "SmptkVocabParallel"]

@@ -1,0 +1,109 @@
+"""smptk.parallel's tensor-parallel layers, styles and vocab-parallel cross-entropy on 2 and 4 gloo ranks.
+
+One spawned job per world size (``comm_harness.run_ranks``); the cases, each comparing a sharded layer
+with the unsharded torch module from the same seed, are in ``tp_jobs.py``; each test reads one case's
+outcome on every rank. The 2-rank job runs the collectives on smptk's symmetric heap under the Triton
+interpreter (1 program, 64 KiB heap: the messages are tiny) and one layer pair on the Triton kernels;
+the 4-rank job runs with ``TRITON_INTERPRET=0``, so its collectives take the torch.distributed (gloo)
+fallback: four interpreted ranks on 2 shared cores took 104 s for these cases, against 37 s for the
+2-rank job (load average 9). The FSDP2 case needs TP 2 x DP 2, so it runs in the 4-rank job.
+
+The in-process tests below check what needs no process group: the initialization blocks and argument
+checks of the styles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from comm_harness import JobResult, run_ranks
+from torch import nn
+from tp_jobs import CASES
+
+from smptk.parallel import shard_init, tp_styles
+from smptk.parallel import tensor_parallel as tp
+
+COMMON = ["init_stream", "column", "row", "embedding", "cross_entropy", "styles", "errors"]
+JOB_CASES = {2: [*COMMON, "triton"], 4: [*COMMON, "fsdp"]}
+DEADLINE_S = {2: 150, 4: 180}
+ENV = {
+    2: {"SMPTK_COMM_MAX_SMS": "1", "SMPTK_COMM_HEAP_BYTES": str(64 * 1024)},
+    4: {"TRITON_INTERPRET": "0"},
+}
+_jobs: dict[int, JobResult] = {}
+
+
+def _job(world: int) -> JobResult:
+    if world not in _jobs:
+        _jobs[world] = run_ranks(
+            "tp_jobs:run", world, args=(JOB_CASES[world],), timeout_s=DEADLINE_S[world], env=ENV[world]
+        )
+    return _jobs[world]
+
+
+PARAMS = [(w, c) for w, cases in JOB_CASES.items() for c in cases]
+
+
+@pytest.mark.parametrize(("world", "case"), PARAMS, ids=[f"W{w}-{c}" for w, c in PARAMS])
+def test_sharded_matches_unsharded(world: int, case: str) -> None:
+    assert case in CASES
+    result = _job(world)
+    result.raise_for_failure()
+    problems = [f"rank {r}: {v[case]}" for r, v in enumerate(result.values) if v[case] is not None]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", sorted(JOB_CASES), ids=[f"W{w}" for w in sorted(JOB_CASES)])
+def test_job_leaves_no_shm(world: int) -> None:
+    assert _job(world).leftover_shm == []
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(50, 7), (37, 5), (64, 3), (1000, 1), (3, 1)])
+def test_init_blocks_draw_what_one_call_draws(rows: int, cols: int, monkeypatch) -> None:
+    """Row blocks keep torch's CPU normal_ (16 values at a time) and uniform_ streams: the blocked draw
+    equals one whole draw, for sizes that leave a tail shorter than 16 elements."""
+    target = 48  # elements per block: several blocks for every shape here
+    blocks = shard_init.row_blocks(rows, cols, target)
+    assert blocks[0][0] == 0 and blocks[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+    assert all((r1 - r0) * cols % 16 == 0 for r0, r1 in blocks[:-1])
+    for draw in (
+        lambda t, g: nn.init.normal_(t, generator=g),
+        lambda t, g: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g),
+    ):
+        whole = torch.empty(rows, cols)
+        draw(whole, torch.Generator().manual_seed(4))
+        gen = torch.Generator().manual_seed(4)
+        parts = []
+        for r0, r1 in blocks:
+            part = torch.empty(r1 - r0, cols)
+            draw(part, gen)
+            parts.append(part)
+        assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: tp_styles.SmptkColwiseParallel(activation="swish"), ("activation", "'swish'")),
+        (lambda: tp_styles.SmptkRowwiseParallel(sequence_parallel=1), ("sequence_parallel", "bool")),
+        (lambda: tp_styles.SmptkVocabParallel(sequence_dim="1"), ("sequence_dim", "int")),
+    ],
+)
+def test_style_arguments_are_checked(make, words) -> None:
+    with pytest.raises((TypeError, ValueError)) as info:
+        make()
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_layer_without_state_or_mesh_says_what_to_do(monkeypatch) -> None:
+    from smptk.parallel import config
+
+    monkeypatch.setattr(config, "_state", None)
+    with pytest.raises(RuntimeError, match=r"smptk\.parallel\.init"):
+        tp.ColumnParallelLinear(4, 4)
+    with pytest.raises(TypeError, match="1-D DeviceMesh"):
+        tp.RowParallelLinear(4, 4, mesh="tp")

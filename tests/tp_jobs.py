@@ -1,0 +1,635 @@
+"""The multi-rank side of ``tests/test_tensor_parallel.py``: smptk's tensor-parallel layers on W gloo ranks.
+
+One job per world size runs every case in one process group (process start-up dominates a job). The
+layer cases run at tensor-parallel size W (``smptk.parallel.init({"tensor_parallel_degree": W})``); the
+FSDP2 case (W = 4) re-inits at TP 2 x DP 2.
+
+Every case compares a sharded layer with the unsharded torch module it replaces (``nn.Linear``,
+``nn.Embedding``, ``F.cross_entropy``), built from the same seed, in fp32: the initial weights exactly
+(``reset_parameters`` draws the full weight and keeps the shard), then the output and the gradients of
+the input and of every parameter shard within 1e-6 (absolute and relative: the shard's GEMM reduces over
+the same K as the full one, but an input gradient summed over ranks rounds in another order). The loss
+is ``sum(y * P)`` for a seeded probe P: on a replicated output every rank computes it once; on a sharded
+output (features or sequence) each rank takes its slice of P, and the objective is their sum, which is
+the reference's. Activations are ``[b, s, h]`` with ``sequence_dim=1`` or ``[s, b, h]`` with 0, sizes
+odd where they are not split (K 5, N_local 3, b 2). Kernels run on the PyTorch path
+(``SMPTK_KERNELS=torch``: the interpreter is slow) except in the "triton" case; collectives run on
+smptk's symmetric heap (fp32 under ``TRITON_INTERPRET=1``, set by the harness), as ``comm_last_path``
+records. A failed comparison is recorded and the job goes on; any other exception ends the job.
+
+Example::
+
+    >>> from comm_harness import run_ranks
+    >>> run_ranks("tp_jobs:run", world=2, timeout_s=120).values[0]   # {case: None or problems}
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+TOL = 1e-6
+
+
+class _Ctx:
+    def __init__(self, state):
+        from smptk import settings
+
+        self.state = state
+        self.mesh = state.submesh("tp")
+        self.tp = self.mesh.size()
+        self.r = self.mesh.get_local_rank()
+        self.seed = 100
+        # fp32 collectives run on smptk's symmetric heap under the interpreter, on gloo without it
+        self.comm_path = "symmetric" if settings.triton_interpret() else "torch.distributed:gloo"
+
+    def next_seed(self) -> int:
+        self.seed += 1
+        return self.seed
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        """The same values on every rank (a generator seeded per call)."""
+        return torch.randn(shape, generator=torch.Generator().manual_seed(self.next_seed())) * scale
+
+
+def _close(problems: list[str], label: str, got, ref, *, exact: bool = False, tol: float = TOL) -> None:
+    if isinstance(got, DTensor):
+        got = got.to_local()
+    if got is None or ref is None:
+        if got is not ref:
+            problems.append(f"{label}: got {'None' if got is None else 'a tensor'}, expected the other")
+        return
+    got, ref = got.detach(), ref.detach()
+    if got.shape != ref.shape:
+        problems.append(f"{label}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        return
+    if exact:
+        if not torch.equal(got, ref):
+            problems.append(f"{label}: not equal (max |diff| {(got - ref).abs().max().item():.3g})")
+        return
+    both_nan = got.isnan() & ref.isnan()
+    diff = torch.where(both_nan, 0.0, (got - ref).abs())
+    limit = tol + tol * ref.abs()
+    if not bool((diff <= limit).all()):
+        i = int((diff - limit).flatten().argmax())
+        problems.append(
+            f"{label}: max |diff| {diff.max().item():.3g} > {tol} abs + rel; at flat index {i} got "
+            f"{got.flatten()[i].item():.8g}, expected {ref.flatten()[i].item():.8g}"
+        )
+
+
+def _expected_local(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``like``'s placements, cut by torch (no collective)."""
+    return distribute_tensor(full.detach(), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _seq_shape(seq_dim: int, s: int, feat: int) -> tuple[int, int, int]:
+    return (2, s, feat) if seq_dim == 1 else (s, 2, feat)
+
+
+def _act(name: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    return {
+        None: lambda z: z,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+        "silu": F.silu,
+    }[name]
+
+
+# ------------------------------------------------------------------------------------------------- cases
+
+
+def _column(
+    ctx: _Ctx,
+    problems: list[str],
+    *,
+    bias=True,
+    activation=None,
+    swiglu=False,
+    sp=False,
+    seq_dim=1,
+    gather=False,
+    k=5,
+    n_local=3,
+    tol=TOL,
+) -> None:
+    import smptk.comm as comm
+    from smptk.parallel import ColumnParallelLinear
+
+    T, r = ctx.tp, ctx.r
+    N = n_local * T
+    label = (
+        f"column(bias={bias}, act={activation}, swiglu={swiglu}, sp={sp}, seq_dim={seq_dim}, gather={gather})"
+    )
+    seed = ctx.next_seed()
+    torch.manual_seed(seed)
+    if swiglu:
+        gate, up = nn.Linear(k, N, bias=False), nn.Linear(k, N, bias=False)
+        ref_fn = lambda x: F.silu(gate(x)) * up(x)
+        refs = {"weight_gate": gate.weight, "weight_up": up.weight, "bias": None}
+    else:
+        lin = nn.Linear(k, N, bias=bias)
+        ref_fn = lambda x: _act(activation)(lin(x))
+        refs = {"weight": lin.weight, "bias": lin.bias}
+    layer = ColumnParallelLinear(
+        k,
+        N,
+        bias,
+        activation=activation,
+        swiglu=swiglu,
+        sequence_parallel=sp,
+        sequence_dim=seq_dim,
+        gather_output=gather,
+        mesh=ctx.mesh,
+        device="meta",
+    )
+    layer.to_empty(device="cpu")
+    layer.reset_parameters(torch.Generator().manual_seed(seed))
+    for name, ref in refs.items():
+        want = None if ref is None else ref[r * n_local : (r + 1) * n_local]
+        _close(problems, f"{label} init {name}", getattr(layer, name), want, exact=True)
+
+    x_full = ctx.randn(*_seq_shape(seq_dim, 2 * T, k))
+    xr = x_full.clone().requires_grad_()
+    y_ref = ref_fn(xr)
+    probe = ctx.randn(*y_ref.shape)
+    (y_ref * probe).sum().backward()
+
+    x = (x_full.chunk(T, seq_dim)[r] if sp else x_full).clone().requires_grad_()
+    y = layer(x)
+    cols = slice(r * n_local, (r + 1) * n_local)
+    want_y, p = (y_ref, probe) if gather else (y_ref[..., cols], probe[..., cols])
+    (y * p).sum().backward()
+    _close(problems, f"{label} output", y, want_y, tol=tol)
+    _close(problems, f"{label} x.grad", x.grad, xr.grad.chunk(T, seq_dim)[r] if sp else xr.grad, tol=tol)
+    for name, ref in refs.items():
+        if ref is not None:
+            _close(problems, f"{label} {name}.grad", getattr(layer, name).grad, ref.grad[cols], tol=tol)
+    if layer.last_path != "unfused":
+        problems.append(f"{label}: last_path {layer.last_path!r}, expected 'unfused'")
+    if comm.last_path() != ctx.comm_path:
+        problems.append(f"{label}: the collectives took {comm.last_path()!r}, expected {ctx.comm_path!r}")
+
+
+def case_column(ctx: _Ctx, problems: list[str]) -> None:
+    _column(ctx, problems, bias=True)
+    _column(ctx, problems, bias=False, activation="gelu", sp=True)
+    _column(ctx, problems, bias=True, activation="relu", sp=True, seq_dim=0)
+    _column(ctx, problems, bias=True, activation="silu", gather=True)
+    _column(ctx, problems, bias=False, activation="gelu_tanh", sp=True, gather=True)
+    _column(ctx, problems, bias=False, swiglu=True)
+    _column(ctx, problems, bias=False, swiglu=True, sp=True, seq_dim=0)
+
+
+def _row(
+    ctx: _Ctx,
+    problems: list[str],
+    *,
+    bias=True,
+    sp=False,
+    seq_dim=1,
+    parallel_in=True,
+    k_local=3,
+    n=5,
+    tol=TOL,
+) -> None:
+    from smptk.parallel import RowParallelLinear
+
+    T, r = ctx.tp, ctx.r
+    K = k_local * T
+    label = f"row(bias={bias}, sp={sp}, seq_dim={seq_dim}, input_is_parallel={parallel_in})"
+    seed = ctx.next_seed()
+    torch.manual_seed(seed)
+    lin = nn.Linear(K, n, bias=bias)
+    layer = RowParallelLinear(
+        K,
+        n,
+        bias,
+        sequence_parallel=sp,
+        sequence_dim=seq_dim,
+        input_is_parallel=parallel_in,
+        mesh=ctx.mesh,
+        device="meta",
+    )
+    layer.to_empty(device="cpu")
+    layer.reset_parameters(torch.Generator().manual_seed(seed))
+    cols = slice(r * k_local, (r + 1) * k_local)
+    _close(problems, f"{label} init weight", layer.weight, lin.weight[:, cols], exact=True)
+    _close(problems, f"{label} init bias", layer.bias, lin.bias, exact=True)
+
+    x_full = ctx.randn(*_seq_shape(seq_dim, 2 * T, K))
+    xr = x_full.clone().requires_grad_()
+    y_ref = lin(xr)
+    probe = ctx.randn(*y_ref.shape)
+    (y_ref * probe).sum().backward()
+
+    x = (x_full[..., cols] if parallel_in else x_full).clone().requires_grad_()
+    y = layer(x)
+    want_y, p = (y_ref.chunk(T, seq_dim)[r], probe.chunk(T, seq_dim)[r]) if sp else (y_ref, probe)
+    (y * p).sum().backward()
+    _close(problems, f"{label} output", y, want_y, tol=tol)
+    _close(problems, f"{label} x.grad", x.grad, xr.grad[..., cols] if parallel_in else xr.grad, tol=tol)
+    _close(problems, f"{label} weight.grad", layer.weight.grad, lin.weight.grad[:, cols], tol=tol)
+    _close(
+        problems,
+        f"{label} bias.grad",
+        None if layer.bias is None else layer.bias.grad,
+        None if lin.bias is None else lin.bias.grad,
+        tol=tol,
+    )
+
+
+def case_row(ctx: _Ctx, problems: list[str]) -> None:
+    _row(ctx, problems, bias=True)
+    _row(ctx, problems, bias=True, sp=True)
+    _row(ctx, problems, bias=False, sp=True, seq_dim=0)
+    _row(ctx, problems, bias=True, parallel_in=False)
+
+
+def _embedding(ctx: _Ctx, problems: list[str], *, sp=False, seq_dim=1) -> None:
+    from smptk.parallel import VocabParallelEmbedding
+
+    T, r = ctx.tp, ctx.r
+    vl, H = 7, 5
+    V, pad = vl * T, vl + 2  # the padding row lives on rank 1
+    label = f"embedding(sp={sp}, seq_dim={seq_dim})"
+    seed = ctx.next_seed()
+    torch.manual_seed(seed)
+    emb = nn.Embedding(V, H, padding_idx=pad)
+    layer = VocabParallelEmbedding(
+        V, H, padding_idx=pad, sequence_parallel=sp, sequence_dim=seq_dim, mesh=ctx.mesh, device="meta"
+    )
+    layer.to_empty(device="cpu")
+    layer.reset_parameters(torch.Generator().manual_seed(seed))
+    rows = slice(r * vl, (r + 1) * vl)
+    _close(problems, f"{label} init weight", layer.weight, emb.weight[rows], exact=True)
+
+    shape = (2, 3 * T) if seq_dim == 1 else (3 * T, 2)
+    ids = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(ctx.next_seed()))
+    ids.view(-1)[:3] = torch.tensor([pad, 0, V - 1])
+    y_ref = emb(ids)
+    probe = ctx.randn(*y_ref.shape)
+    (y_ref * probe).sum().backward()
+    y = layer(ids)
+    want_y, p = (y_ref.chunk(T, seq_dim)[r], probe.chunk(T, seq_dim)[r]) if sp else (y_ref, probe)
+    (y * p).sum().backward()
+    _close(problems, f"{label} output", y, want_y, exact=not sp)
+    _close(problems, f"{label} weight.grad", layer.weight.grad, emb.weight.grad[rows])
+
+
+def case_embedding(ctx: _Ctx, problems: list[str]) -> None:
+    _embedding(ctx, problems)
+    _embedding(ctx, problems, sp=True)
+    _embedding(ctx, problems, sp=True, seq_dim=0)
+
+
+def case_cross_entropy(ctx: _Ctx, problems: list[str]) -> None:
+    from smptk.parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+
+    T, r = ctx.tp, ctx.r
+    vl = 7
+    V = vl * T
+    cols = slice(r * vl, (r + 1) * vl)
+    gen = torch.Generator().manual_seed(ctx.next_seed())
+    target = torch.randint(0, V, (2, 5), generator=gen)
+    target[0, 1] = -100
+    target[1, 3] = V - 1
+    # Logits given directly, large (a stable max matters), each reduction, and a custom ignore_index.
+    full = ctx.randn(2, 5, V, scale=30.0)
+    for reduction, ignore in (("mean", -100), ("sum", -100), ("none", -100), ("mean", 3)):
+        label = f"cross_entropy(reduction={reduction}, ignore_index={ignore})"
+        t = target.masked_fill(target == -100, ignore)
+        lr = full.clone().requires_grad_()
+        ref = F.cross_entropy(lr.view(-1, V), t.view(-1), ignore_index=ignore, reduction=reduction)
+        ref = ref.view(2, 5) if reduction == "none" else ref
+        up = ctx.randn(*ref.shape)
+        (ref * up).sum().backward()
+        ll = full[..., cols].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(ll, t, group=ctx.mesh, ignore_index=ignore, reduction=reduction)
+        (loss * up).sum().backward()
+        _close(problems, f"{label} loss", loss, ref)
+        _close(problems, f"{label} logits.grad", ll.grad, lr.grad[..., cols])
+    # Every target ignored: "mean" is NaN, as F.cross_entropy's.
+    nan = vocab_parallel_cross_entropy(full[..., cols], torch.full((2, 5), -100), group=ctx.mesh)
+    if not bool(nan.isnan()):
+        problems.append(f"cross_entropy all ignored: {nan.item()}, expected nan")
+    # Through a column-parallel head (gather_output=False), default group (the state's tp).
+    seed = ctx.next_seed()
+    torch.manual_seed(seed)
+    head_ref = nn.Linear(6, V, bias=False)
+    head = ColumnParallelLinear(6, V, bias=False, mesh=ctx.mesh, device="meta")
+    head.to_empty(device="cpu")
+    head.reset_parameters(torch.Generator().manual_seed(seed))
+    h = ctx.randn(2, 5, 6)
+    hr = h.clone().requires_grad_()
+    F.cross_entropy(head_ref(hr).view(-1, V), target.view(-1)).backward()
+    hl = h.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(head(hl), target)
+    loss.backward()
+    ref = F.cross_entropy(head_ref(h).view(-1, V), target.view(-1))
+    _close(problems, "head + cross_entropy loss", loss, ref)
+    _close(problems, "head + cross_entropy h.grad", hl.grad, hr.grad)
+    _close(problems, "head + cross_entropy weight.grad", head.weight.grad, head_ref.weight.grad[cols])
+
+
+class _Tiny(nn.Module):
+    """Embedding, a residual MLP block and an LM head: the layers a transformer's TP plan covers."""
+
+    def __init__(self, V: int, H: int, Fdim: int):
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.up = nn.Linear(H, Fdim)
+        self.act = nn.GELU()
+        self.down = nn.Linear(Fdim, H)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(h + self.down(self.act(self.up(h))))
+
+
+def case_styles(ctx: _Ctx, problems: list[str]) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from smptk.parallel import (
+        ColumnParallelLinear,
+        SmptkColwiseParallel,
+        SmptkRowwiseParallel,
+        SmptkVocabParallel,
+        vocab_parallel_cross_entropy,
+    )
+
+    T = ctx.tp
+    V, H, Fdim = 5 * T, 5, 3 * T
+    for sp in (False, True):
+        label = f"parallelize_module(sp={sp})"
+        torch.manual_seed(ctx.next_seed())
+        ref = _Tiny(V, H, Fdim)
+        model = copy.deepcopy(ref)
+        hook_calls: list[int] = []
+        model.up.register_forward_hook(lambda *a, calls=hook_calls: calls.append(1))
+        plan = {
+            "embed": SmptkVocabParallel(sequence_parallel=sp),
+            "up": SmptkColwiseParallel(activation="gelu" if sp else None, sequence_parallel=sp),
+            "down": SmptkRowwiseParallel(sequence_parallel=sp),
+            "head": SmptkColwiseParallel(sequence_parallel=sp),
+        }
+        parallelize_module(model, ctx.mesh, plan)
+        if sp:
+            model.act = nn.Identity()  # the GELU is fused into up
+        if not isinstance(model.up, ColumnParallelLinear) or model.up.activation != ("gelu" if sp else None):
+            problems.append(f"{label}: up is {model.up!r}")
+        ids = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
+        target = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
+        ref_loss = F.cross_entropy(ref(ids).view(-1, V), target.view(-1))
+        ref_loss.backward()
+        loss = vocab_parallel_cross_entropy(model(ids), target, group=ctx.mesh)
+        loss.backward()
+        _close(problems, f"{label} loss", loss, ref_loss)
+        if not hook_calls:
+            problems.append(f"{label}: a forward hook registered on the nn.Linear did not run after the swap")
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            if not isinstance(p, DTensor):
+                problems.append(f"{label}: {name} is not a DTensor")
+                continue
+            _close(problems, f"{label} {name}", p, _expected_local(ref_params[name], p), exact=True)
+            _close(problems, f"{label} {name}.grad", p.grad, _expected_local(ref_params[name].grad, p))
+
+
+def case_init_stream(ctx: _Ctx, problems: list[str]) -> None:
+    """Layers built after init draw from one stream seeded with random_seed, in construction order."""
+    from smptk.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    T, r = ctx.tp, ctx.r
+    layers = [
+        ColumnParallelLinear(5, 3 * T, mesh=ctx.mesh),
+        RowParallelLinear(3 * T, 5, mesh=ctx.mesh),
+        VocabParallelEmbedding(7 * T, 4, mesh=ctx.mesh),
+    ]
+    torch.manual_seed(ctx.state.config.random_seed)
+    refs = [nn.Linear(5, 3 * T), nn.Linear(3 * T, 5), nn.Embedding(7 * T, 4)]
+    for layer, ref in zip(layers, refs, strict=True):
+        for name, p in layer.named_parameters():
+            _close(
+                problems,
+                f"init stream {type(layer).__name__}.{name}",
+                p,
+                _expected_local(getattr(ref, name), p),
+                exact=True,
+            )
+    del r
+
+
+def case_triton(ctx: _Ctx, problems: list[str]) -> None:
+    """One column + row pair (sequence parallel) on smptk's Triton kernels, under the interpreter."""
+    from smptk.parallel import ColumnParallelLinear, RowParallelLinear
+
+    os.environ["SMPTK_KERNELS"] = "triton"
+    try:
+        T, r = ctx.tp, ctx.r
+        seed = ctx.next_seed()
+        torch.manual_seed(seed)
+        lin1, lin2 = nn.Linear(8, 2 * T), nn.Linear(2 * T, 8)
+        col = ColumnParallelLinear(
+            8, 2 * T, activation="gelu", sequence_parallel=True, mesh=ctx.mesh, device="meta"
+        )
+        row = RowParallelLinear(2 * T, 8, sequence_parallel=True, mesh=ctx.mesh, device="meta")
+        gen = torch.Generator().manual_seed(seed)
+        for m in (col, row):
+            m.to_empty(device="cpu")
+            m.reset_parameters(gen)
+        x_full = ctx.randn(2, T, 8)
+        xr = x_full.clone().requires_grad_()
+        y_ref = lin2(F.gelu(lin1(xr)))
+        probe = ctx.randn(*y_ref.shape)
+        (y_ref * probe).sum().backward()
+        x = x_full.chunk(T, 1)[r].clone().requires_grad_()
+        y = row(col(x))
+        (y * probe.chunk(T, 1)[r]).sum().backward()
+        for m in (col, row):
+            if m.last_kernel_path != "triton":
+                problems.append(f"triton: {type(m).__name__} ran {m.last_kernel_path!r}")
+        _close(problems, "triton output", y, y_ref.chunk(T, 1)[r], tol=1e-5)
+        _close(problems, "triton x.grad", x.grad, xr.grad.chunk(T, 1)[r], tol=1e-5)
+        _close(
+            problems, "triton col weight.grad", col.weight.grad, lin1.weight.grad[2 * r : 2 * r + 2], tol=1e-5
+        )
+        _close(
+            problems,
+            "triton row weight.grad",
+            row.weight.grad,
+            lin2.weight.grad[:, 2 * r : 2 * r + 2],
+            tol=1e-5,
+        )
+        _close(problems, "triton row bias.grad", row.bias.grad, lin2.bias.grad, tol=1e-5)
+    finally:
+        os.environ["SMPTK_KERNELS"] = "torch"
+
+
+def _raises(
+    problems: list[str], label: str, exc: type, words: tuple[str, ...], fn: Callable[[], object]
+) -> None:
+    try:
+        fn()
+    except exc as e:
+        missing = [w for w in words if w not in str(e)]
+        if missing:
+            problems.append(f"{label}: message {str(e)!r} lacks {missing}")
+        return
+    except Exception as e:
+        problems.append(f"{label}: raised {type(e).__name__}: {e}, expected {exc.__name__}")
+        return
+    problems.append(f"{label}: no error")
+
+
+def case_errors(ctx: _Ctx, problems: list[str]) -> None:
+    """Bad input raises on every rank, before any collective, naming the argument and the numbers."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from smptk.parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        SmptkColwiseParallel,
+        VocabParallelEmbedding,
+        vocab_parallel_cross_entropy,
+    )
+
+    T, m = ctx.tp, ctx.mesh
+    N = 3 * T + 1
+    mesh2 = init_device_mesh("cpu", (1, T), mesh_dim_names=("a", "tp"))
+    col = ColumnParallelLinear(5, T, mesh=m)
+    row = RowParallelLinear(3 * T, 5, mesh=m, sequence_parallel=True)
+    col_sp = ColumnParallelLinear(5, T, mesh=m, sequence_parallel=True, sequence_dim=2)
+    emb = VocabParallelEmbedding(2 * T, 3, mesh=m)
+    logits, zeros = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
+    sharded = distribute_tensor(torch.randn(2, 4, 5), m, [Shard(1)])
+    ce = vocab_parallel_cross_entropy
+    cases = [  # (label, exception, words the message must hold, the call)
+        ("out_features", ValueError, ("out_features", str(N), f"tensor-parallel size {T}"),
+         lambda: ColumnParallelLinear(5, N, mesh=m)),
+        ("in_features", ValueError, ("in_features", str(N), str(T)),
+         lambda: RowParallelLinear(N, 5, mesh=m)),
+        ("vocab", ValueError, ("num_embeddings", str(N), f"multiple of {T}", str(4 * T)),
+         lambda: VocabParallelEmbedding(N, 4, mesh=m)),
+        ("swiglu bias", ValueError, ("bias", "bias=False"),
+         lambda: ColumnParallelLinear(5, T, swiglu=True, mesh=m)),
+        ("activation", ValueError, ("activation", "'tanh'"),
+         lambda: ColumnParallelLinear(5, T, activation="tanh", mesh=m)),
+        ("2-D mesh", ValueError, ("mesh", "1-D", "('a', 'tp')"),
+         lambda: ColumnParallelLinear(5, T, mesh=mesh2)),
+        ("column x", ValueError, ("x", "[..., 5]", "(2, 3, 4)"), lambda: col(torch.randn(2, 3, 4))),
+        ("row x features", ValueError, ("x", "[..., 3]", f"in_features {3 * T}"),
+         lambda: row(torch.randn(2, T, 3 * T))),
+        ("row sequence", ValueError, ("sequence length", str(T + 1), f"size {T}"),
+         lambda: row(torch.randn(2, T + 1, 3))),
+        ("sequence_dim", ValueError, ("sequence_dim 2", "(2, 3, 5)"), lambda: col_sp(torch.randn(2, 3, 5))),
+        ("ids range", IndexError, ("ids", str(2 * T), f"0..{2 * T - 1}"),
+         lambda: emb(torch.tensor([[0, 2 * T]]))),
+        ("ce target shape", ValueError, ("target", "(2, 3)", "(3, 2)"),
+         lambda: ce(logits, zeros.mT, group=m)),
+        ("ce target range", IndexError, ("target", str(4 * T)), lambda: ce(logits, zeros + 4 * T, group=m)),
+        ("ce reduction", ValueError, ("reduction", "'avg'"),
+         lambda: ce(logits, zeros, group=m, reduction="avg")),
+        ("style module", TypeError, ("nn.Linear", "Embedding"),
+         lambda: SmptkColwiseParallel()._apply(nn.Embedding(4, 4), m)),
+        ("DTensor placement", ValueError, ("x", "Shard(dim=1)", "Replicate"), lambda: col(sharded)),
+    ]  # fmt: skip
+    for label, exc, words, call in cases:
+        _raises(problems, label, exc, words, call)
+
+
+def case_fsdp(ctx: _Ctx, problems: list[str]) -> None:
+    """TP 2 x DP 2: meta -> fully_shard -> to_empty -> reset_parameters, then one SGD step, vs one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    import smptk.parallel as sp
+    from smptk.parallel import ColumnParallelLinear, RowParallelLinear
+
+    state = sp.init({"tensor_parallel_degree": 2, "random_seed": 11})
+    dp, dpr = state.sizes["dp"], state.coords["dp"]
+    H, Fdim = 5, 6
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = ColumnParallelLinear(H, Fdim, bias=False, swiglu=True, device="meta")
+            self.down = RowParallelLinear(Fdim, H, device="meta")
+
+        def forward(self, x):
+            return self.down(self.up(x))
+
+    model = MLP()
+    fsdp_mesh = state.mesh["dp_replicate", "dp_shard"]
+    for part in (model.up, model.down, model):
+        fully_shard(part, mesh=fsdp_mesh)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(23)
+    model.up.reset_parameters(gen)
+    model.down.reset_parameters(gen)
+    torch.manual_seed(23)
+    gate, up, down = nn.Linear(H, Fdim, bias=False), nn.Linear(H, Fdim, bias=False), nn.Linear(Fdim, H)
+    refs = {
+        "up.weight_gate": gate.weight,
+        "up.weight_up": up.weight,
+        "down.weight": down.weight,
+        "down.bias": down.bias,
+    }
+    params = dict(model.named_parameters())
+    for name, ref in refs.items():
+        _close(problems, f"fsdp init {name}", params[name].full_tensor(), ref, exact=True)
+
+    xs = ctx.randn(dp, 2, 3, H)
+    probes = ctx.randn(dp, 2, 3, H)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    (model(xs[dpr]) * probes[dpr]).sum().backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(list(refs.values()), lr=0.5)
+    ref_loss = sum((down(F.silu(gate(xs[d])) * up(xs[d])) * probes[d]).sum() for d in range(dp)) / dp
+    ref_loss.backward()
+    ref_opt.step()
+    for name, ref in refs.items():
+        _close(problems, f"fsdp step {name}", params[name].full_tensor(), ref)
+
+
+CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
+    "init_stream": case_init_stream,
+    "column": case_column,
+    "row": case_row,
+    "embedding": case_embedding,
+    "cross_entropy": case_cross_entropy,
+    "styles": case_styles,
+    "errors": case_errors,
+    "triton": case_triton,
+    "fsdp": case_fsdp,
+}
+
+
+def run(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
+    """The named cases on this rank, in CASES order: {case: None, or the problems found, one per line};
+    ``"seconds"``: {case: its wall time on this rank}."""
+    import time
+
+    os.environ["SMPTK_KERNELS"] = "torch"
+    import smptk.parallel as sp
+
+    state = sp.init({"tensor_parallel_degree": world, "random_seed": 7})
+    ctx = _Ctx(state)
+    out: dict = {"seconds": {}}
+    for name, case in CASES.items():
+        if name not in cases:
+            continue
+        t0 = time.perf_counter()
+        problems: list[str] = []
+        case(ctx, problems)
+        out["seconds"][name] = round(time.perf_counter() - t0, 2)
+        out[name] = "\n".join(problems) or None
+    sp.reset()
+    return out
