@@ -14,13 +14,15 @@ output (features or sequence) each rank takes its slice of P, and the objective 
 the reference's. Activations are ``[b, s, h]`` with ``sequence_dim=1`` or ``[s, b, h]`` with 0, sizes
 odd where they are not split (K 5, N_local 3, b 2). Kernels run on the PyTorch path
 (``SMPTK_KERNELS=torch``: the interpreter is slow) except in the "triton" case; collectives run on
-smptk's symmetric heap (fp32 under ``TRITON_INTERPRET=1``, set by the harness), as ``comm_last_path``
-records. A failed comparison is recorded and the job goes on; any other exception ends the job.
+smptk's symmetric heap when the job has ``TRITON_INTERPRET=1`` (the harness's default) and on the
+torch.distributed (gloo) fallback when it is set to 0, and the column case checks
+``smptk.comm.last_path()`` says so. A failed comparison is recorded and the job goes on; any other
+exception ends the job.
 
 Example::
 
     >>> from comm_harness import run_ranks
-    >>> run_ranks("tp_jobs:run", world=2, timeout_s=120).values[0]   # {case: None or problems}
+    >>> run_ranks("tp_jobs:run", world=2, args=(["column", "row"],), timeout_s=120).values[0]
 """
 
 from __future__ import annotations
@@ -547,7 +549,10 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
 
 
 def case_fsdp(ctx: _Ctx, problems: list[str]) -> None:
-    """TP 2 x DP 2: meta -> fully_shard -> to_empty -> reset_parameters, then one SGD step, vs one process."""
+    """TP 2 x DP 2: meta -> fully_shard -> to_empty -> reset_parameters, then one SGD step, vs one process.
+
+    Parameters are compared through ``full_tensor()`` (what every rank holds, gathered by torch), so the
+    check does not depend on how the shards were cut."""
     from torch.distributed.fsdp import fully_shard
 
     import smptk.parallel as sp
