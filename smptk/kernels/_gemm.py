@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import itertools
 from collections.abc import Iterator
@@ -67,8 +68,9 @@ from smptk.kernels import runtime
 from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_fwd
 from smptk.kernels._index import expert_row_tile, expert_rows, row_tile_bound, swizzle
 from smptk.kernels._triton import HAVE_TRITON, tl, triton
+from smptk.kernels.collectives import _expired
 
-GROUP_NONE, GROUP_ROWS, GROUP_REDUCTION = 0, 1, 2
+GROUP_NONE, GROUP_ROWS, GROUP_REDUCTION, GROUP_RANKS = 0, 1, 2, 3
 DUAL_NONE, DUAL_SUM, DUAL_SWIGLU = 0, 1, 2
 _INT32_LIMIT = 2**31 - 1
 
@@ -245,7 +247,19 @@ def _epilogue(
 
 
 @triton.jit
-def _gemm_kernel(
+def _wait_ready(flag_ptr, target, abort_ptr, start_ns, timeout_ns, USE_CLOCK: tl.constexpr):
+    """Spin until the int32 ``*flag_ptr`` reaches ``target`` (acquire: the writes released before each
+    increment are visible after it), or the wait budget is spent (then return: the copy stage that owns
+    the flag has recorded the missing peer in the heap's status words, which the host raises on)."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    expired = seen * 0
+    while (seen < target) & (expired == 0):
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        expired = _expired(start_ns, timeout_ns, abort_ptr, USE_CLOCK)
+
+
+@triton.jit
+def _gemm_tiles(
     a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, z_ptr, z2_ptr, bias_ptr, rowsum_ptr, offsets_ptr,
     M, C, R, E, M_BUCKET,
     s_am, s_ar, s_be, s_br, s_bc,
@@ -257,22 +271,26 @@ def _gemm_kernel(
     PRECISION: tl.constexpr, EXPERT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SUB: tl.constexpr,
+    first_tile, tile_step, ready_ptr, rank, world, ready_target, abort_ptr, start_ns, timeout_ns,
+    USE_CLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Persistent GEMM: program p computes tiles p, p + P, p + 2P, ... of ``out``.
+    """The persistent tile loop of :func:`_gemm_kernel` (tiles first_tile, first_tile + tile_step, ...), with
+    every argument of the kernel; :func:`smptk.kernels._gemm_comm._all_gather_gemm_kernel` runs it on the
+    programs its copy stage leaves.
 
-    a_ptr  [M, R] (s_am, s_ar)             b_ptr  [E, R, C] (s_be, s_br, s_bc); s_be = 0 unless GROUPING=1
-    a2_ptr [M, R] (s_a2m, s_a2r)           b2_ptr [E, R, C] (s_b2e, s_b2r, s_b2c): DUAL=1 adds a2 @ b2,
-                                           DUAL=2 uses b2 with a (a2 unused)
-    c_ptr  [E, M, C] (s_ce, s_cm, s_cc); s_ce = 0 unless GROUPING=2
-    z_ptr, z2_ptr [M, C] (s_zm, s_zc): pre-activation (DUAL=2: the gate's and the up projection's)
-    bias_ptr [E, C] (s_biase, unit column stride); rowsum_ptr [E, M] (s_rse, unit stride): sum_r A[m, r]
-    offsets_ptr [E + 1] int64 (GROUPING 1: A's rows by expert; 2: the reduction's rows by expert)
-    A_T / B_T (TMA only): A is stored [R, M] / B is stored [C, R], each with a unit stride.
-    M_BUCKET only keys the autotuner.
+    GROUPING=3 (rows by rank block, the all-gather GEMM): A is the gathered ``[M, R]`` input, ``world``
+    blocks of ``M // world`` rows in rank order. Row tiles never straddle two blocks, and they go in
+    rank-rotated order: this rank's block first, then rank + 1, ... Before its loads, a tile of block q
+    waits until ``ready_ptr[q]`` (int32) reaches ``ready_target`` (acquire; bounded by the budget of
+    ``smptk.kernels.collectives._expired``). The other groupings ignore ready_ptr ... USE_CLOCK.
     """
     num_n = tl.cdiv(C, BLOCK_N)
     if GROUPING == 1:
         num_m = M // BLOCK_M + tl.minimum(E, M)
+    elif GROUPING == 3:
+        block_rows = M // world
+        per_block = tl.cdiv(block_rows, BLOCK_M)
+        num_m = world * per_block
     else:
         num_m = tl.cdiv(M, BLOCK_M)
     num_tiles = num_m * num_n
@@ -280,6 +298,9 @@ def _gemm_kernel(
         num_tiles = num_tiles * E
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUB
     if TMA:
+        if GROUPING == 3:  # one A and B for every tile; C's descriptor ends at the tile's block (below)
+            a_desc = _desc_a(a_ptr, M, R, s_am, s_ar, A_T, BLOCK_M, BLOCK_K)
+            b_desc = _desc_b(b_ptr, R, C, s_br, s_bc, B_T, BLOCK_K, BLOCK_N)
         if GROUPING == 0:
             a_desc = _desc_a(a_ptr, M, R, s_am, s_ar, A_T, BLOCK_M, BLOCK_K)
             b_desc = _desc_b(b_ptr, R, C, s_br, s_bc, B_T, BLOCK_K, BLOCK_N)
@@ -296,7 +317,7 @@ def _gemm_kernel(
     # forward: H100, triton 3.6, 16384x4096->14336 bf16 (do_bench medians, one run): GELU fwd 3.15 -> 2.94 ms
     # flattened; SwiGLU fwd 5.47 ms nested, 6.89 ms flattened (two accumulators in flight).
     flat: tl.constexpr = (GROUPING == 0) and (DUAL != 2)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=flat):
+    for tile in tl.range(first_tile, num_tiles, tile_step, flatten=flat):
         # -- which rows, columns, expert and reduction range this tile covers --
         if GROUPING == 2:
             per_expert = num_m * num_n
@@ -305,6 +326,15 @@ def _gemm_kernel(
             row0 = pid_m.to(tl.int64) * BLOCK_M
             row_end = M + row0 * 0
             r_lo, r_hi = expert_rows(offsets_ptr, R, expert)
+        elif GROUPING == 3:
+            pid_m, pid_n = swizzle(tile, num_m, num_n, GROUP_M)
+            q = (rank + pid_m // per_block) % world  # rank-rotated: this rank's rows first
+            expert = pid_m.to(tl.int64) * 0
+            row_end = (q.to(tl.int64) + 1) * block_rows
+            row0 = row_end - block_rows + (pid_m % per_block).to(tl.int64) * BLOCK_M
+            r_lo = row0 * 0
+            r_hi = R + row0 * 0
+            _wait_ready(ready_ptr + q, ready_target, abort_ptr, start_ns, timeout_ns, USE_CLOCK)
         elif GROUPING == 1:
             pid_m, pid_n = swizzle(tile, num_m, num_n, GROUP_M)
             expert, row0, row_end = expert_row_tile(offsets_ptr, E, M, pid_m, BLOCK_M, EXPERT_BLOCK)
@@ -334,6 +364,10 @@ def _gemm_kernel(
                     b_desc = _desc_b(b_ptr + expert * s_be, R, C, s_br, s_bc, B_T, BLOCK_K, BLOCK_N)
                     if DUAL != 0:
                         b2_desc = _desc_b(b2_ptr + expert * s_b2e, R, C, s_b2r, s_b2c, B2_T, BLOCK_K, BLOCK_N)
+                    c_desc = tl.make_tensor_descriptor(
+                        c_ptr, [row_end.to(tl.int32), C], [s_cm, 1], [BLOCK_M, SUB_N]
+                    )
+                if GROUPING == 3:
                     c_desc = tl.make_tensor_descriptor(
                         c_ptr, [row_end.to(tl.int32), C], [s_cm, 1], [BLOCK_M, SUB_N]
                     )
@@ -443,6 +477,46 @@ def _gemm_kernel(
                     bias_ptr, s_cm, s_cc, s_zm, s_zc, s_biase,
                     DUAL, ACTIVATION, HAS_BIAS, STORE_Z, TMA, BLOCK_M, SUB_N,
                 )  # fmt: skip
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, z_ptr, z2_ptr, bias_ptr, rowsum_ptr, offsets_ptr,
+    M, C, R, E, M_BUCKET,
+    s_am, s_ar, s_be, s_br, s_bc,
+    s_a2m, s_a2r, s_b2e, s_b2r, s_b2c,
+    s_ce, s_cm, s_cc, s_zm, s_zc, s_biase, s_rse,
+    GROUPING: tl.constexpr, DUAL: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    STORE_Z: tl.constexpr, ROWSUM: tl.constexpr, TMA: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr, A2_T: tl.constexpr, B2_T: tl.constexpr,
+    PRECISION: tl.constexpr, EXPERT_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SUB: tl.constexpr,
+):  # fmt: skip
+    """Persistent GEMM: program p computes tiles p, p + P, p + 2P, ... of ``out``.
+
+    a_ptr  [M, R] (s_am, s_ar)             b_ptr  [E, R, C] (s_be, s_br, s_bc); s_be = 0 unless GROUPING=1
+    a2_ptr [M, R] (s_a2m, s_a2r)           b2_ptr [E, R, C] (s_b2e, s_b2r, s_b2c): DUAL=1 adds a2 @ b2,
+                                           DUAL=2 uses b2 with a (a2 unused)
+    c_ptr  [E, M, C] (s_ce, s_cm, s_cc); s_ce = 0 unless GROUPING=2
+    z_ptr, z2_ptr [M, C] (s_zm, s_zc): pre-activation (DUAL=2: the gate's and the up projection's)
+    bias_ptr [E, C] (s_biase, unit column stride); rowsum_ptr [E, M] (s_rse, unit stride): sum_r A[m, r]
+    offsets_ptr [E + 1] int64 (GROUPING 1: A's rows by expert; 2: the reduction's rows by expert)
+    A_T / B_T (TMA only): A is stored [R, M] / B is stored [C, R], each with a unit stride.
+    M_BUCKET only keys the autotuner.
+    """
+    # Every argument through, then: tiles from this program on, every P-th; no ready flags (offsets_ptr
+    # stands in for the unused pointers), rank 0 of 1, no wait budget.
+    _gemm_tiles(
+        a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, z_ptr, z2_ptr, bias_ptr, rowsum_ptr, offsets_ptr,
+        M, C, R, E, M_BUCKET,
+        s_am, s_ar, s_be, s_br, s_bc,
+        s_a2m, s_a2r, s_b2e, s_b2r, s_b2c,
+        s_ce, s_cm, s_cc, s_zm, s_zc, s_biase, s_rse,
+        GROUPING, DUAL, ACTIVATION, HAS_BIAS, STORE_Z, ROWSUM, TMA, A_T, B_T, A2_T, B2_T, PRECISION,
+        EXPERT_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUB,
+        tl.program_id(0), tl.num_programs(0), offsets_ptr, 0, 1, 0, offsets_ptr, 0, 0, False,
+    )  # fmt: skip
 
 
 # --- host side: path choice, configs, launch --------------------------------------------------------------
@@ -806,6 +880,8 @@ class Specialization:
     config: Config
     constexprs: dict[str, Any]
     aligned: tuple[str, ...] = ()
+    kernel: str = "smptk.kernels._gemm:_gemm_kernel"  # "module:function" of the engine kernel compiled
+    types: dict[str, str] = dataclasses.field(default_factory=dict)  # pointers not of dtype, i64 ints
 
     @property
     def id(self) -> str:
@@ -818,10 +894,13 @@ class Specialization:
 
     def signature(self) -> dict[str, str]:
         """Triton signature: pointer types, int64 offsets, i32 ints; constexprs (unit ints included)."""
+        module, function = self.kernel.split(":")
         sig = {}
-        for name in _gemm_kernel.arg_names:
+        for name in getattr(importlib.import_module(module), function).arg_names:
             if name in self.constexprs or name in Config(1, 1, 1, 1, 1).meta():
                 sig[name] = "constexpr"
+            elif name in self.types:
+                sig[name] = self.types[name]
             elif name == "offsets_ptr":
                 sig[name] = "*i64"
             elif name == "rowsum_ptr" or name.endswith("_ptr"):

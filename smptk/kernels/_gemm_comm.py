@@ -1,0 +1,253 @@
+"""The GEMM engine fused with a collective: all-gather + GEMM in one kernel over the symmetric heap.
+
+``out[T, N] = act(all_gather(x)[T, K] @ b[K, N] + bias)``: the column-parallel linear's forward under
+sequence parallelism (each of the W ranks holds a ``[T/W, K]`` block of the sequence; ``b`` is its
+``[N, K]`` weight shard seen as ``[K, N]``). One launch of ``_all_gather_gemm_kernel`` with
+``COMM_PROGRAMS + G`` programs:
+
+- **Copy stage**, programs ``0 .. COMM_PROGRAMS - 1`` (``comm_max_sms``; the only programs that touch a
+  peer's memory): stage this rank's block ``x [T/W, K]`` in its heap data region and in its own rows of
+  the local gather buffer ``g [T, K]``, raise ``ready[rank]``; barrier with the peers' copy programs (the
+  collectives' barrier, call check and bounded waits: :mod:`smptk.kernels.collectives`); pull every
+  peer's block from its region into ``g``, in rank-rotated order (rank + 1, rank + 2, ...), raising
+  ``ready[q]`` after block q; a closing barrier keeps this rank's region in place until every peer has
+  read it. Each copy program raises each flag once (release, after its part of the block): block q has
+  arrived when ``ready[q] == COMM_PROGRAMS``. On a failed barrier (a peer missing or making another
+  call) the programs skip the copies but still raise the flags, so no GEMM program waits on them; the
+  host then raises from the heap's status words.
+- **GEMM**, programs ``COMM_PROGRAMS ..``: the engine's persistent tile loop (``_gemm._gemm_tiles``)
+  with ``GROUPING=3``: row tiles never straddle two ranks' blocks and go in rank-rotated order (this
+  rank's own rows first, as torch's async TP multiplies its local shard while the others arrive); a tile
+  of block q waits for ``ready[q]`` (acquire), then loads its A tiles from ``g`` like any dense GEMM
+  (the pointer path, or TMA descriptors on Hopper: ``g`` is local, aligned memory).
+
+Why a copy stage into a local buffer rather than GEMM tiles reading peers' regions directly: the
+communication stays within ``COMM_PROGRAMS`` SMs (the GEMM programs never wait on NVLink loads, and
+each peer block crosses NVLink once instead of once per column tile); the gathered input ``g`` is what
+the backward's weight gradient needs anyway (``dW = dz.T @ g``); the GEMM keeps its TMA path (a
+descriptor over a peer's address would need 16-byte aligned, peer-mapped bases in every block); and only
+the copy programs read a peer's region, so the closing barrier among them is all that keeps a region
+alive, as in the all-gather kernel (direct reads would need every GEMM program to sign off). Cost: one
+extra write and read of ``T x K`` elements in local memory, small next to the GEMM's ``T x N x K``.
+Triton-distributed's AG+GEMM makes the same choice with copy-engine producers and per-rank flags.
+
+Deadlock freedom on a GPU: GEMM programs wait only on copy programs of the same launch, which have lower
+program ids (dispatched first) and wait only on peers; the grid is at most the SM count.
+
+No autotuning: a launch has side effects on the peers (signals), so benchmarking configs by relaunching
+is not possible; the engine's default config for the shape is used.
+
+Legend: W ranks, T = W * T_w rows in all, K input features, N output features (this rank's shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from smptk.kernels import _gemm
+from smptk.kernels._epilogue import ACT_NONE
+from smptk.kernels._gemm import DUAL_NONE, GROUP_RANKS, Config, Specialization, _gemm_tiles
+from smptk.kernels._triton import tl, triton
+from smptk.kernels.collectives import (
+    _ABORT_WORD,
+    _barrier,
+    _copy,
+    _enter,
+    _i64,
+    _region,
+    _start,
+    _verify,
+)
+
+# As the collectives: an int argument equal to 1 (rank 1, world 1) would become a constant, one compile
+# per rank; the sizes and strides stay specializable (multiples of 16 in real models).
+_GROUP_RANKS = tl.constexpr(GROUP_RANKS)  # the Triton compiler reads only constexpr globals in kernels
+_DUAL_NONE = tl.constexpr(DUAL_NONE)
+_NO_SPECIALIZE = ["rank", "world", "timeout_ns", "call_tag", "call_numel", "call_chunk"]
+
+
+@triton.jit
+def _release(flag_ptr):
+    """Raise ``*flag_ptr`` by one after every thread's earlier stores (CTA barrier, then a release add)."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _all_gather_gemm_kernel(
+    x_ptr, g_ptr, b_ptr, c_ptr, z_ptr, bias_ptr, ready_ptr,
+    M, C, R, s_br, s_bc, s_cm, s_zm,
+    data_W, signal_W, status_ptr, rank, world, timeout_ns,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, TMA: tl.constexpr,
+    B_T: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SUB: tl.constexpr, COMM_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, USE_CLOCK: tl.constexpr,
+    SIMULATED: tl.constexpr = False,
+    call_tag=0, call_numel=0, call_chunk=0,
+):  # fmt: skip
+    """Copy stage on programs < COMM_PROGRAMS, GEMM tiles on the others (see the module docstring).
+
+    x_ptr [M / world, R] contiguous: this rank's block      g_ptr [M, R] contiguous: the gathered input
+    b_ptr [R, C] (s_br, s_bc): the weight shard as [K, N]   c_ptr [M, C] (s_cm, 1); z_ptr [M, C] (s_zm, 1)
+    bias_ptr [C]; ready_ptr int32 [world], zero at launch: copy programs done with each rank's block
+    data_W / signal_W / status_ptr / rank / world / timeout_ns / call_*: the heap's tables and the call, as
+    every collective kernel takes them (:mod:`smptk.kernels.collectives`); BLOCK: the copy tile, in 16-bit
+    elements (as theirs). SIMULATED: one device holds every rank's region; no barriers.
+    """
+    pid = tl.program_id(0)
+    start_ns = _start(USE_CLOCK)
+    if pid < COMM_PROGRAMS:
+        entered = _enter(signal_W, status_ptr, rank, world, call_tag, call_numel, call_chunk, SIMULATED)
+        DTYPE = x_ptr.dtype.element_ty
+        TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
+        n = _i64(M // world) * R  # elements of one rank's block
+        own = _region(data_W, rank, DTYPE)
+        if entered != 0:
+            _copy(x_ptr, own, 0, 0, n, pid, COMM_PROGRAMS, TILE)  # for the peers
+            _copy(x_ptr, g_ptr, 0, _i64(rank) * n, n, pid, COMM_PROGRAMS, TILE)  # this rank's rows
+        _release(ready_ptr + rank)
+        ok = _barrier(
+            signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED
+        )
+        ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
+        for j in range(1, world):
+            q = (rank + j) % world
+            if ok != 0:
+                _copy(_region(data_W, q, DTYPE), g_ptr, 0, _i64(q) * n, n, pid, COMM_PROGRAMS, TILE)
+            _release(ready_ptr + q)
+        _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
+    else:
+        abort_ptr = tl.load(signal_W + rank).to(tl.pointer_type(tl.int32)) + _ABORT_WORD
+        _gemm_tiles(
+            g_ptr, b_ptr, g_ptr, b_ptr, c_ptr, z_ptr, z_ptr, bias_ptr, bias_ptr, ready_ptr,
+            M, C, R, 1, 0,
+            R, 1, 0, s_br, s_bc,
+            R, 1, 0, s_br, s_bc,
+            0, s_cm, 1, s_zm, 1, 0, 0,
+            _GROUP_RANKS, _DUAL_NONE, ACTIVATION, HAS_BIAS, STORE_Z, False, TMA,
+            False, B_T, False, B_T, PRECISION, 1,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUB,
+            pid - COMM_PROGRAMS, tl.num_programs(0) - COMM_PROGRAMS, ready_ptr, rank, world, COMM_PROGRAMS,
+            abort_ptr, start_ns, timeout_ns, USE_CLOCK,
+        )  # fmt: skip
+
+
+# --- host side (kernels layer: no torch.distributed; smptk.comm.fused_linear launches it) ----------------
+
+
+@dataclasses.dataclass
+class AllGatherMatmul:
+    """One all-gather GEMM, ready to launch through the collectives' launch path.
+
+    ``smptk.comm.collectives._launch(heap, op, comm_programs, (), (), call=...)`` calls
+    ``op[(comm_programs,)](data_W, signal_W, status, rank, world, timeout_ns, BLOCK=..., USE_CLOCK=...,
+    SIMULATED=..., call_tag=..., call_numel=..., call_chunk=...)`` as it calls every collective kernel;
+    this object adds the GEMM's operands, its constexprs and the GEMM programs to the grid.
+
+    x_TwK: this rank's contiguous block; w_NK: its weight shard (nn.Linear layout, any strides);
+    out_TN, g_TK (the gathered input), z_TN (pre-activation, or None): contiguous outputs; ready_W:
+    int32 zeros [world]; bias_N: contiguous or None.
+    """
+
+    x_TwK: torch.Tensor
+    w_NK: torch.Tensor
+    out_TN: torch.Tensor
+    g_TK: torch.Tensor
+    ready_W: torch.Tensor
+    comm_programs: int
+    bias_N: torch.Tensor | None = None
+    z_TN: torch.Tensor | None = None
+    activation: int = ACT_NONE
+
+    def __getitem__(self, grid: tuple[int]):
+        if grid != (self.comm_programs,):
+            raise ValueError(f"grid: expected ({self.comm_programs},) copy programs, got {grid}")
+        return self._run
+
+    def path(self) -> str:
+        """The GEMM's load path: "tma" or "pointer" (as the engine chooses for these operands)."""
+        b = self.w_NK.t()
+        stores = [t for t in (self.out_TN, self.z_TN) if t is not None]
+        ops = [(self.g_TK, self.g_TK.stride(), *self.g_TK.shape), (b, b.stride(), *b.shape)]
+        ops += [(t, t.stride(), *t.shape) for t in stores]
+        return "tma" if _gemm._choose_tma(self.g_TK.device, self.g_TK.dtype, ops) else "pointer"
+
+    def _run(self, data_W, signal_W, status, rank, world, timeout_ns, **collective_meta: Any) -> None:
+        g, out = self.g_TK, self.out_TN
+        M, R = g.shape
+        C = out.shape[1]
+        b = self.w_NK.t()  # [K, N] view
+        tma = self.path() == "tma"
+        cfg = config(M, C, g.dtype, tma)
+        tiles = world * triton.cdiv(M // world, cfg.block_m) * triton.cdiv(C, cfg.block_n)
+        if g.device.type == "cuda":  # the whole grid fits the SMs (see the module docstring)
+            sms = _gemm._sm_count(
+                g.device.index if g.device.index is not None else torch.cuda.current_device()
+            )
+            gemm_programs = max(1, min(tiles, sms - self.comm_programs))
+        else:
+            gemm_programs = _gemm._programs(g.device, tiles)
+        if tma:
+            _gemm._ensure_allocator()
+        z = self.z_TN if self.z_TN is not None else out
+        bias = self.bias_N if self.bias_N is not None else out
+        _gemm._LAST_PATH[0] = "tma" if tma else "pointer"
+        _all_gather_gemm_kernel[(self.comm_programs + gemm_programs,)](
+            self.x_TwK, g, b, out, z, bias, self.ready_W,
+            M, C, R, b.stride(0), b.stride(1), out.stride(0), z.stride(0),
+            data_W, signal_W, status, rank, world, timeout_ns,
+            ACTIVATION=self.activation, HAS_BIAS=self.bias_N is not None, STORE_Z=self.z_TN is not None,
+            TMA=tma, B_T=tma and b.stride(1) != 1, PRECISION=_gemm.input_precision(g.dtype),
+            COMM_PROGRAMS=self.comm_programs, **cfg.meta(), **collective_meta,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+
+
+def config(M: int, C: int, dtype: torch.dtype, tma: bool) -> Config:
+    """The engine's default tile for a dense ``[M, C]`` product (no autotuning: see the module docstring)."""
+    return _gemm._default_config(_gemm._configs(tma, DUAL_NONE, dtype), M, C)
+
+
+# --- compile coverage ---------------------------------------------------------------------------------------
+
+KERNEL = "smptk.kernels._gemm_comm:_all_gather_gemm_kernel"
+# Arguments not of the GEMM dtype: the heap's address tables, status words and flags; the 300 s budget in ns.
+TYPES = {"data_W": "*i64", "signal_W": "*i64", "status_ptr": "*i32", "ready_ptr": "*i32", "timeout_ns": "i64"}
+
+
+def specializations(*, full: bool = False) -> list[Specialization]:
+    """The variants the launcher produces on a GPU for contiguous operands, sizes multiples of 16: per
+    path (TMA on sm_90 in bf16; pointer in bf16 and fp32 with TF32 off), the default config of a large
+    shape, GELU with bias and the pre-activation store (the heaviest epilogue), 8 copy programs, the
+    collectives' copy tile ``BLOCK``, the clock on (the CUDA path). ``full`` adds every shipped config."""
+    from smptk.kernels import collectives
+    from smptk.kernels._epilogue import ACTIVATION_CODES
+
+    out = []
+    for path, dtype, precision in (
+        ("tma", "bf16", "tf32"),
+        ("pointer", "bf16", "tf32"),
+        ("pointer", "fp32", "ieee"),
+    ):
+        tma = path == "tma"
+        if tma:
+            configs = _gemm._TMA_CONFIGS
+        else:
+            configs = _gemm._ptr_configs(DUAL_NONE, precision if dtype == "fp32" else None)
+        for cfg in configs if full else configs[:1]:
+            out.append(
+                Specialization(
+                    name="all_gather_linear_fwd", path=path, dtype=dtype, config=cfg, kernel=KERNEL,
+                    types=TYPES,
+                    aligned=("M", "C", "R", "s_bc", "s_cm", "s_zm"),
+                    constexprs=dict(
+                        ACTIVATION=ACTIVATION_CODES["gelu"], HAS_BIAS=True, STORE_Z=True, TMA=tma, B_T=tma,
+                        PRECISION=precision, COMM_PROGRAMS=8, BLOCK=collectives.BLOCK, USE_CLOCK=True,
+                        SIMULATED=False, s_br=1, **cfg.meta(),
+                    ),
+                )
+            )  # fmt: skip
+    return out

@@ -1,0 +1,155 @@
+"""The multi-rank side of ``tests/test_fused_tp.py``: ``comm.fused_linear.all_gather_linear`` on W gloo ranks.
+
+Every rank builds every member's block of x, weight shard, bias shard and upstream gradient from one seed,
+so each knows the whole problem; the reference is plain float64 torch on those full tensors: ``out_r =
+act(X @ W_r.T + b_r)`` for this rank r, and the gradients of ``sum over ranks q of <U_q, out_q>`` (x's
+gradient sums every rank's term, restricted to this rank's rows; W_r's and b_r's come from rank r's term).
+
+Cases (each returns None or what went wrong; a failure is recorded and the job goes on, but the last):
+
+- ``fused_gelu_bias``: fp32 with bias and GELU, 2 copy programs (a block's flag must reach 2): path
+  "fused", values and all three gradients against the reference, and the gathered input (``gathered_out``)
+  equal to the ranks' blocks exactly.
+- ``fused_plain``: fp32, no bias, no activation, 1 copy program; the second fused call on the heap, so
+  it restages this rank's region after the first call's closing barrier.
+- ``unfused``: ``algorithm="unfused"`` takes the fallback (all_gather, then fused_linear) and says so,
+  same checks.
+- ``bad_input``: a 3-D x_local and a wrong bias shape raise ValueError naming the argument.
+- ``missing_rank`` (last): rank W-1 never calls; every other rank raises CommTimeoutError naming [W-1]
+  within the short timeout.
+
+Sizes are tiny and odd (T_w = 5 at W = 2, 7 at W = 4; K = 24 < one K step; N_local = 40: two column tiles,
+the second partial), as the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import smptk.comm as comm
+from smptk.comm.fused_linear import all_gather_linear
+
+K, N_LOCAL = 24, 40
+ROWS = {2: 5, 4: 7}
+ACTS = {None: lambda z: z, "gelu": F.gelu}
+
+
+def _problem(world: int, seed: int, dtype: torch.dtype):
+    """Every rank's (x block, weight shard, bias shard, upstream grad), in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    t_w = ROWS[world]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    xs = [rand(t_w, K) for _ in range(world)]
+    ws = [rand(N_LOCAL, K, scale=0.3) for _ in range(world)]
+    bs = [rand(N_LOCAL) for _ in range(world)]
+    us = [rand(world * t_w, N_LOCAL) for _ in range(world)]
+    return xs, ws, bs, us
+
+
+def _reference(rank: int, xs, ws, bs, us, activation, use_bias: bool):
+    """float64 (out_r, dx_r, dW_r, db_r) from the full tensors."""
+    X = torch.cat([x.double() for x in xs]).requires_grad_()
+    Wq = [w.double().requires_grad_() for w in ws]
+    Bq = [b.double().requires_grad_() for b in bs]
+    outs = [ACTS[activation](F.linear(X, Wq[q], Bq[q] if use_bias else None)) for q in range(len(ws))]
+    loss = sum((o * u.double()).sum() for o, u in zip(outs, us, strict=True))
+    loss.backward()
+    t_w = xs[0].shape[0]
+    db = Bq[rank].grad if use_bias else None
+    return outs[rank].detach(), X.grad[rank * t_w : (rank + 1) * t_w], Wq[rank].grad, db
+
+
+def _compare(name: str, got, want, tol: float) -> list[str]:
+    if got is None and want is None:
+        return []
+    try:
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    except AssertionError as e:
+        return [f"{name}: {str(e).splitlines()[0:4]}"]
+    return []
+
+
+def _check_case(
+    rank, world, seed, dtype, activation, use_bias, max_sms, want_path, algorithm="auto"
+) -> str | None:
+    xs, ws, bs, us = _problem(world, seed, dtype)
+    ref = _reference(rank, xs, ws, bs, us, activation, use_bias)
+    problems = []
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    b = bs[rank].clone().requires_grad_() if use_bias else None
+    gathered = torch.full((world * xs[0].shape[0], K), float("nan"), dtype=dtype)
+    out, path = all_gather_linear(
+        x,
+        w,
+        b,
+        group=None,
+        activation=activation,
+        max_sms=max_sms,
+        gathered_out=gathered,
+        algorithm=algorithm,
+    )
+    if not path.startswith(want_path):
+        problems.append(f"path {path!r}, expected {want_path!r}")
+    if not torch.equal(gathered, torch.cat(xs)):
+        problems.append("gathered_out differs from the ranks' blocks")
+    grads = torch.autograd.grad(out, [x, w] + ([b] if use_bias else []), us[rank])
+    tol = 1e-4  # fp32 against float64, K = 24
+    problems += _compare("out", out, ref[0], tol)
+    problems += _compare("dx", grads[0], ref[1], tol)
+    problems += _compare("dw", grads[1], ref[2], tol)
+    problems += _compare("db", grads[2] if use_bias else None, ref[3], tol)
+    return "; ".join(problems) or None
+
+
+def _bad_input(rank: int, world: int) -> str | None:
+    from comm_checks import expect_raises
+
+    x = torch.zeros(1, ROWS[world], K)
+    w = torch.zeros(N_LOCAL, K)
+    problems = [
+        expect_raises(lambda: all_gather_linear(x, w, group=None), ValueError, "x_local"),
+        expect_raises(lambda: all_gather_linear(x[0], w, torch.zeros(3), group=None), ValueError, "bias"),
+    ]
+    return "; ".join(p for p in problems if p) or None
+
+
+def _missing_rank(rank: int, world: int) -> str | None:
+    """Rank W-1 never calls; the others must raise CommTimeoutError naming it."""
+    from comm_checks import expect_raises
+
+    comm.configure(timeout_s=3)  # the heap exists from the cases before (building one is collective)
+    problem = None
+    if rank != world - 1:
+        xs, ws, bs, _ = _problem(world, 5, torch.float32)
+        t0 = time.monotonic()
+        problem = expect_raises(
+            lambda: all_gather_linear(xs[rank], ws[rank], bs[rank], group=None, max_sms=1),
+            comm.CommTimeoutError,
+            f"[{world - 1}]",
+        )
+        if problem is None and time.monotonic() - t0 > 60:
+            problem = f"took {time.monotonic() - t0:.0f} s to give up with a 3 s timeout"
+    dist.barrier()  # the missing rank stays alive (its heap mapped) until the others have given up
+    comm.reset()
+    return problem
+
+
+def run(rank: int, world: int) -> dict[str, str | None]:
+    f32 = torch.float32
+    return {
+        "fused_gelu_bias": _check_case(rank, world, 1, f32, "gelu", True, 2, "fused"),
+        "fused_plain": _check_case(rank, world, 2, f32, None, False, 1, "fused"),
+        "unfused": _check_case(
+            rank, world, 3, f32, "gelu", True, 1, "unfused: algorithm", algorithm="unfused"
+        ),
+        "bad_input": _bad_input(rank, world),
+        "missing_rank": _missing_rank(rank, world),
+    }
