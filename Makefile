@@ -13,16 +13,20 @@ export PYTHONUNBUFFERED := 1
 .PHONY: test bench gpu-check lint format info clean
 
 $(STAMP_TEST): pyproject.toml scripts/bootstrap.py
-	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras test
+	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras test --optional-extras parallel-tests
 	touch $@
 
 $(STAMP_DEV): pyproject.toml scripts/bootstrap.py
 	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras dev
 	touch $@
 
-## test: the whole test suite (CPU: kernels under the Triton interpreter; GPU: real shapes too)
+## test: the whole test suite (CPU: kernels under the Triton interpreter; GPU: real shapes too), over
+## TEST_WORKERS pytest-xdist workers where it is installed (tests/conftest.py keeps the multi-process jobs on
+## one worker); TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 2
 test: $(STAMP_TEST)
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(VPY) -m pytest $$($(VPY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] \
+	    && echo "-n $(TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
 
 ## bench: the benchmark suite and its report (GPU: measured; CPU: quick functional mode)
 bench: $(STAMP_TEST)

@@ -128,6 +128,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", default=str(ROOT / ".venv"), help="environment folder (default: .venv)")
     parser.add_argument("--extras", default="test", help="comma-separated extras of pyproject.toml")
+    parser.add_argument(
+        "--optional-extras",
+        default="",
+        help="comma-separated extras installed best effort (a failure, e.g. no package index, is not fatal)",
+    )
     args = parser.parse_args()
 
     venv_dir = Path(args.venv).resolve()
@@ -149,6 +154,15 @@ def main() -> int:
     if missing:
         pip_install(python, missing)
     install_smptk(python)
+    optional = []
+    for extra in filter(None, args.optional_extras.split(",")):
+        optional += project["optional-dependencies"][extra]
+    optional_missing = missing_requirements(python, list(dict.fromkeys(optional))) if optional else []
+    if optional_missing:
+        try:  # one quick try: a machine with no package index goes on without them
+            pip_install(python, ["--retries", "0", "--timeout", "10", *optional_missing], quiet_failure=True)
+        except subprocess.CalledProcessError:
+            print(f"[bootstrap] optional, not installed (going on without): {optional_missing}")
     still = missing_requirements(python, requirements)
     if still:
         print(f"[bootstrap] still missing after install: {still}", file=sys.stderr)

@@ -23,6 +23,37 @@ if not torch.cuda.is_available():
 # Imported after TRITON_INTERPRET is set, on purpose (helpers itself never imports smptk.kernels).
 from helpers import CUDA_SKIP_REASON, HAS_CUDA
 
+# Under pytest-xdist (``make test`` uses it where installed: ``-n 2 --dist loadgroup``), the modules that
+# start processes (multi-rank jobs through tests/comm_harness.py, torchrun) run on one worker, one job at a
+# time, as they would without xdist: two jobs at once would oversubscribe the cores and could see each
+# other's /dev/shm entries in the leak check. The GEMM compile check compiles in its own worker processes
+# and keeps one module-scoped compile per session. Everything else spreads over the workers.
+_SPAWNS = ("run_ranks(", "torchrun")
+_GROUPS: dict[str, str | None] = {}
+
+
+def _xdist_group(path: str) -> str | None:
+    if path not in _GROUPS:
+        name = os.path.basename(path)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if name == "test_kernels_compile.py":
+            _GROUPS[path] = "compile"
+        elif any(s in text for s in _SPAWNS):
+            _GROUPS[path] = "processes"
+        else:
+            _GROUPS[path] = None
+    return _GROUPS[path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = _xdist_group(str(item.path))
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
