@@ -174,8 +174,11 @@ def _column(
     for name, ref in refs.items():
         if ref is not None:
             _close(problems, f"{label} {name}.grad", getattr(layer, name).grad, ref.grad[cols], tol=tol)
-    if layer.last_path != "unfused":
-        problems.append(f"{label}: last_path {layer.last_path!r}, expected 'unfused'")
+    # SMPTK_KERNELS=torch here: the fused all-gather GEMM (sequence dim 0) falls back, saying why
+    fusable = sp and seq_dim % x.dim() == 0 and not swiglu and not gather
+    if layer.last_path != "unfused" or (fusable and not layer.last_fused_reason):
+        why = getattr(layer, "last_fused_reason", None)
+        problems.append(f"{label}: last_path {layer.last_path!r} ({why}), expected 'unfused' and a reason")
     if comm.last_path() != ctx.comm_path:
         problems.append(f"{label}: the collectives took {comm.last_path()!r}, expected {ctx.comm_path!r}")
 
@@ -431,47 +434,62 @@ def case_init_stream(ctx: _Ctx, problems: list[str]) -> None:
 
 
 def case_triton(ctx: _Ctx, problems: list[str]) -> None:
-    """One column + row pair (sequence parallel) on smptk's Triton kernels, under the interpreter."""
+    """A column + row pair (sequence parallel) on smptk's Triton kernels, under the interpreter: with
+    ``[b, s, h]`` (sequence dim 1: the unfused all-gather, then the GEMM) and with ``[s, b, h]`` (sequence
+    dim 0: the column layer runs the fused all-gather GEMM where the symmetric heap applies)."""
+    for seq_dim in (1, 0):
+        _triton_pair(ctx, problems, seq_dim)
+
+
+def _triton_pair(ctx: _Ctx, problems: list[str], seq_dim: int) -> None:
     from smptk.parallel import ColumnParallelLinear, RowParallelLinear
 
     os.environ["SMPTK_KERNELS"] = "triton"
     try:
         T, r = ctx.tp, ctx.r
+        label = f"triton seq_dim={seq_dim}"
         seed = ctx.next_seed()
         torch.manual_seed(seed)
         lin1, lin2 = nn.Linear(8, 2 * T), nn.Linear(2 * T, 8)
-        col = ColumnParallelLinear(
-            8, 2 * T, activation="gelu", sequence_parallel=True, mesh=ctx.mesh, device="meta"
-        )
-        row = RowParallelLinear(2 * T, 8, sequence_parallel=True, mesh=ctx.mesh, device="meta")
+        kw = dict(sequence_parallel=True, sequence_dim=seq_dim, mesh=ctx.mesh, device="meta")
+        col = ColumnParallelLinear(8, 2 * T, activation="gelu", **kw)
+        row = RowParallelLinear(2 * T, 8, **kw)
         gen = torch.Generator().manual_seed(seed)
         for m in (col, row):
             m.to_empty(device="cpu")
             m.reset_parameters(gen)
-        x_full = ctx.randn(2, T, 8)
+        x_full = ctx.randn(*_seq_shape(seq_dim, T, 8))
         xr = x_full.clone().requires_grad_()
         y_ref = lin2(F.gelu(lin1(xr)))
         probe = ctx.randn(*y_ref.shape)
         (y_ref * probe).sum().backward()
-        x = x_full.chunk(T, 1)[r].clone().requires_grad_()
+        x = x_full.chunk(T, seq_dim)[r].clone().requires_grad_()
         y = row(col(x))
-        (y * probe.chunk(T, 1)[r]).sum().backward()
+        (y * probe.chunk(T, seq_dim)[r]).sum().backward()
         for m in (col, row):
             if m.last_kernel_path != "triton":
-                problems.append(f"triton: {type(m).__name__} ran {m.last_kernel_path!r}")
-        _close(problems, "triton output", y, y_ref.chunk(T, 1)[r], tol=1e-5)
-        _close(problems, "triton x.grad", x.grad, xr.grad.chunk(T, 1)[r], tol=1e-5)
+                problems.append(f"{label}: {type(m).__name__} ran {m.last_kernel_path!r}")
+        want = "fused" if seq_dim == 0 and ctx.comm_path == "symmetric" else "unfused"
+        if col.last_path != want:
+            why = getattr(col, "last_fused_reason", None)
+            problems.append(f"{label}: column layer took {col.last_path!r} ({why}), expected {want!r}")
+        _close(problems, f"{label} output", y, y_ref.chunk(T, seq_dim)[r], tol=1e-5)
+        _close(problems, f"{label} x.grad", x.grad, xr.grad.chunk(T, seq_dim)[r], tol=1e-5)
         _close(
-            problems, "triton col weight.grad", col.weight.grad, lin1.weight.grad[2 * r : 2 * r + 2], tol=1e-5
+            problems,
+            f"{label} col weight.grad",
+            col.weight.grad,
+            lin1.weight.grad[2 * r : 2 * r + 2],
+            tol=1e-5,
         )
         _close(
             problems,
-            "triton row weight.grad",
+            f"{label} row weight.grad",
             row.weight.grad,
             lin2.weight.grad[:, 2 * r : 2 * r + 2],
             tol=1e-5,
         )
-        _close(problems, "triton row bias.grad", row.bias.grad, lin2.bias.grad, tol=1e-5)
+        _close(problems, f"{label} row bias.grad", row.bias.grad, lin2.bias.grad, tol=1e-5)
     finally:
         os.environ["SMPTK_KERNELS"] = "torch"
 

@@ -41,10 +41,15 @@ replicated region through ``reduce_from_group``, and a replicated parameter that
 sequence block (the row-parallel bias under sequence parallelism) gets its gradient all-reduced, so
 every rank holds the whole gradient of every replicated parameter.
 
-Paths. ``last_path`` on each layer names the path of its last forward: "unfused" (the collective, then
-the GEMM on the local shard, as here; the fused all-gather/reduce-scatter GEMM kernels are another
-path that slots in beside it), and ``last_kernel_path`` the kernel path ("triton" or "torch",
-:func:`smptk.kernels.runtime.select_path`); ``smptk.comm.last_path()`` names the collective's.
+Paths. ``last_path`` on each layer names the path of its last forward: "fused" or "unfused" (the
+collective, then the GEMM on the local shard). A column-parallel layer with ``sequence_parallel`` and
+``sequence_dim=0`` (Megatron-LM's ``[s, b, h]``, where the ranks' blocks stack as rows), no SwiGLU pair
+and no ``gather_output`` runs :func:`smptk.comm.fused_linear.all_gather_linear`: one Triton kernel that
+all-gathers the blocks through the symmetric heap within ``max_sms`` SMs while its GEMM tiles start as
+their rows arrive; where the heap does not apply it falls back to the unfused pair and
+``last_fused_reason`` says why. ``last_kernel_path`` names the kernel path ("triton" or "torch",
+:func:`smptk.kernels.runtime.select_path`); ``smptk.comm.last_path()`` names the collective's. The
+row-parallel reduce-scatter is not fused yet.
 
 Initialization (``reset_parameters``) reproduces the unsharded module exactly: each rank draws the full
 weight from one generator, in ``nn.Linear`` / ``nn.Embedding``'s order, and keeps its slice
@@ -70,12 +75,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import smptk.comm.functional as cf
+from smptk.comm.fused_linear import all_gather_linear
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
 from smptk.kernels._checks import ACTIVATIONS
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
 
-PATHS = ("unfused",)  # what ``last_path`` can say; the fused TP kernels add theirs
+PATHS = ("fused", "unfused")  # what ``last_path`` can say
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -231,6 +237,7 @@ class _TensorParallelLayer(nn.Module):
         self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
         self.sequence_dim = _check_sequence_dim(sequence_dim)
         self.last_path: str | None = None
+        self.last_fused_reason: str | None = None  # why the fused path did not run (column layer)
         self.last_kernel_path: str | None = None
 
     @property
@@ -325,12 +332,14 @@ class ColumnParallelLinear(_TensorParallelLayer):
             raise ValueError(
                 f"x: expected [..., {self.in_features}] (in_features), got shape {tuple(x.shape)}"
             )
+        weights = [getattr(self, n).to_local() for n in self._weights]
         if self.sequence_parallel:
             d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
+            if d == 0 and not self.swiglu and not self.gather_output:
+                return self._fused_forward(x, weights[0])
             x = cf.all_gather(x, self.group, dim=d)
         else:
             x = cf.copy_to_group(x, self.group)
-        weights = [getattr(self, n).to_local() for n in self._weights]
         self.last_kernel_path = runtime.select_path(x, weights[0])
         if self.swiglu:
             y = swiglu_kernel(x, *weights)
@@ -345,6 +354,17 @@ class ColumnParallelLinear(_TensorParallelLayer):
             y = cf.reduce_from_group(y, self.group)
         self.last_path = "unfused"
         return y
+
+    def _fused_forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Sequence dim 0: the ranks' blocks stack as rows, so :func:`all_gather_linear` gathers them inside
+        the GEMM (its fallback, where the heap does not apply, is the unfused pair)."""
+        b = self.bias.to_local() if self.bias is not None else None
+        rows = x.reshape(-1, x.shape[-1])
+        y, path = all_gather_linear(rows, w, b, group=self.group, activation=self.activation)
+        self.last_kernel_path = runtime.select_path(rows, w)
+        self.last_path = "fused" if path == "fused" else "unfused"
+        self.last_fused_reason = None if path == "fused" else path.removeprefix("unfused: ")
+        return y.reshape(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         return (
