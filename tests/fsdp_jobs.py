@@ -1,0 +1,197 @@
+"""The multi-rank side of ``tests/test_fsdp.py``: ``apply_data_parallel`` training steps on 4 gloo ranks.
+
+One job runs every case in one process group (process start-up dominates a job); each case calls
+``smptk.parallel.init`` with its config, builds the model from the same seed, applies (optionally)
+torch's tensor parallelism and then :func:`smptk.parallel.fsdp.apply_data_parallel`, and takes
+``STEPS`` SGD-with-momentum steps. The global batch of every step is drawn from a generator seeded by
+the step; data-parallel rank d trains on rows ``d*B/dp .. (d+1)*B/dp`` (tensor-parallel peers share
+theirs), with the loss a mean over its rows, so the data-parallel average of the gradients is the
+gradient of the mean over the global batch: the single-process step on the whole batch, which every
+rank also runs on its own as the reference. Each case returns the largest difference of every parameter
+(gathered whole with ``full_tensor``) from that reference, its loss per step, and the report
+(what each collective was set to and the calls it made per path), for the pytest process to check.
+
+Kernels run on the PyTorch path (``SMPTK_KERNELS=torch``, set by the test); smptk's collectives (the
+data-parallel ones, and the tensor-parallel ones of smptk's layers) run on the CPU symmetric heap under
+the interpreter (``TRITON_INTERPRET=1``, set by the harness).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 3
+BATCH, SEQ, IN, HIDDEN, FFN, OUT = 8, 3, 5, 8, 12, 3
+LR, MOMENTUM = 0.1, 0.9
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block, ``x + down(gelu(up(norm(x))))`` on ``[b, s, HIDDEN]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.down = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyModel(nn.Module):
+    """``[b, s, IN] -> [b, s, OUT]``: an input projection, 2 blocks in a ModuleList, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model() -> TinyModel:
+    torch.manual_seed(0)
+    return TinyModel()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, SEQ, IN, generator=gen), torch.randn(BATCH, SEQ, OUT, generator=gen)
+
+
+def train(model: nn.Module, dp_rank: int, dp: int) -> list[float]:
+    """STEPS steps on this data-parallel rank's rows of each global batch; the losses it saw."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = (model(x[rows]).float() - y[rows]).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_model(model: nn.Module) -> nn.Module:
+    """The model itself, out of DDP's wrapper where there is one."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (DTensors gathered), by name, without DDP's ``module.`` prefix."""
+    out = {}
+    for name, p in full_model(model).named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().float().clone()
+    return out
+
+
+def _tp_plan(styles: str) -> dict:
+    """Tensor parallelism of both blocks' MLPs: torch's styles, or smptk's layers ("smptk")."""
+    if styles == "smptk":
+        from smptk.parallel import SmptkColwiseParallel as Colwise
+        from smptk.parallel import SmptkRowwiseParallel as Rowwise
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel as Colwise
+        from torch.distributed.tensor.parallel import RowwiseParallel as Rowwise
+    plan = {}
+    for i in range(2):
+        plan[f"blocks.{i}.up"] = Colwise()
+        plan[f"blocks.{i}.down"] = Rowwise()
+    return plan
+
+
+# The TP x FSDP case runs torch's ColwiseParallel / RowwiseParallel, the TP x replicate case smptk's layers.
+TP_STYLES = {"tp2_fsdp": "torch", "tp2_replicate": "smptk"}
+# (case name, config, apply_data_parallel's keyword arguments). smptk.comm runs 1 program per collective
+# unless the config says otherwise (the interpreter runs programs one after another: 8 programs took 2.8x
+# the time of 1 here); reshard_after_forward=False drops the backward all-gathers (18 calls a case, not 27).
+KEEP = {"reshard_after_forward": False}
+CASES = (
+    ("full_shard_smptk", {"hybrid_shard_degree": 0, "mixed_precision": "fp32"}, {}),
+    (
+        "full_shard_torch",
+        {"hybrid_shard_degree": 0, "mixed_precision": "fp32"},
+        {"use_smptk_collectives": False},
+    ),
+    (
+        "hsdp_copy_engine",
+        {"hybrid_shard_degree": 2, "mixed_precision": "fp32", "comm_max_sms": 0},
+        {"use_smptk_collectives": True, **KEEP},
+    ),
+    ("replicate_ddp", {"hybrid_shard_degree": 1, "mixed_precision": "fp32", "comm_max_sms": 2}, {}),
+    ("tp2_fsdp", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 0, "mixed_precision": "fp32"}, KEEP),
+    ("tp2_replicate", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1, "mixed_precision": "fp32"}, {}),
+    ("full_shard_bf16", {"hybrid_shard_degree": 0, "mixed_precision": "bf16"}, KEEP),
+)
+
+
+def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dict:
+    import smptk.comm as comm
+    import smptk.parallel as parallel
+    from smptk.parallel.fsdp import apply_data_parallel
+
+    # FSDP2 warns that the root returns a view (nothing here writes to it in place); DTensor logs that
+    # gathering a TP x FSDP parameter whole takes two all-gathers. Neither concerns these checks.
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    comm.configure(max_sms=1, heap_bytes=64 * 1024, timeout_s=60)  # the largest unit: 531 fp32 values
+    reference = build_model()
+    ref_losses = train(reference, 0, 1)
+    ref = full_params(reference)
+    out: dict = {"reference_losses": ref_losses}
+    for name, config, kwargs in CASES:
+        if case_names is not None and name not in case_names:
+            continue
+        t0 = time.perf_counter()
+        state = parallel.init(config)
+        t1 = time.perf_counter()
+        model = build_model()
+        if state.sizes["tp"] > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, state.submesh("tp"), _tp_plan(TP_STYLES[name]))
+        model, report = apply_data_parallel(model, state, **kwargs)
+        t2 = time.perf_counter()
+        losses = train(model, state.coords["dp"], state.sizes["dp"])
+        t3 = time.perf_counter()
+        params = full_params(model)
+        out[name] = {
+            "diff": {n: (params[n] - ref[n]).abs().max().item() for n in ref},
+            "params": params,
+            "losses": losses,
+            "mode": report.mode,
+            "engine": report.engine,
+            "reason": report.reason,
+            "smptk": report.smptk_collectives,
+            "param_dtype": report.param_dtype,
+            "reduce_dtype": report.reduce_dtype,
+            "heap_bytes": report.heap_bytes,
+            "units": [
+                (u.name, u.engine, u.num_params, u.all_gather, u.reduce_scatter, u.all_reduce, dict(u.calls))
+                for u in report.units
+            ],
+            "describe": report.describe(),
+            "up_layer": type(full_model(model).blocks[0].up).__name__,
+            "seconds": {
+                "init": t1 - t0,
+                "apply": t2 - t1,
+                "train": t3 - t2,
+                "gather": time.perf_counter() - t3,
+            },
+        }
+    parallel.reset()
+    return out

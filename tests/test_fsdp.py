@@ -1,0 +1,287 @@
+"""smptk.parallel.fsdp: apply_data_parallel trains as the single process does, and says which path ran.
+
+One 4-rank gloo job (``fsdp_jobs.run``) trains the same 2-block model for 3 SGD-with-momentum steps under
+full sharding, HSDP (hybrid_shard_degree 2), replication (hybrid 1: DDP with smptk's hook), tensor
+parallelism 2 x FSDP (torch's ColwiseParallel / RowwiseParallel) and TP 2 x replication (smptk's
+ColumnParallelLinear / RowParallelLinear through SmptkColwiseParallel / SmptkRowwiseParallel), with
+smptk's collectives (symmetric heap, and the copy-engine all-gather) and with torch's, and once in bf16.
+Every fp32 run must end within 1e-5 of the single-process run on the whole batch (the sums run in
+another order: 3e-8 .. 6e-8 measured), smptk's path and torch's must agree as closely, and the report
+must name the path each collective took, with the calls counted per path (a silent fallback to torch
+fails). In this process, torch's fake backend checks the units, the errors and the engine choice
+without starting ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from comm_harness import run_ranks
+from torch import nn
+
+import smptk.parallel as parallel
+from smptk.parallel.fsdp import DataParallelReport, apply_data_parallel, mixed_precision_policy, select_units
+
+# fp32: the data-parallel average and the sharded GEMMs sum in another order than the single process
+# (measured 3e-8 .. 6e-8 on O(0.5) parameters after 3 steps); 1e-5 catches a wrong average or a missed
+# reduction (O(1e-2) here).
+FP32_TOL = 1e-5
+# bf16 parameters and activations (8 mantissa bits) for 3 steps: measured 5.1e-4 from the fp32 run.
+BF16_TOL = 1e-2
+UNITS = ["blocks.1", "blocks.0", ""]  # default units: the ModuleList's children, bottom-up, then the root
+
+
+@pytest.fixture(scope="module")
+def job():
+    result = run_ranks("fsdp_jobs:run", world=4, timeout_s=400, env={"SMPTK_KERNELS": "torch"})
+    result.raise_for_failure()
+    return result.values
+
+
+def _case(values, name):
+    return [v[name] for v in values]
+
+
+def _mean_losses(runs) -> list[float]:
+    """Per step, the mean of the ranks' losses: each dp slice counted once per tp peer, so the global mean."""
+    return [sum(r["losses"][s] for r in runs) / len(runs) for s in range(len(runs[0]["losses"]))]
+
+
+FP32_CASES = [
+    "full_shard_smptk",
+    "full_shard_torch",
+    "hsdp_copy_engine",
+    "replicate_ddp",
+    "tp2_fsdp",
+    "tp2_replicate",
+]
+
+
+@pytest.mark.parametrize("name", FP32_CASES)
+def test_fp32_steps_equal_single_process(job, name: str) -> None:
+    runs = _case(job, name)
+    for rank, run in enumerate(runs):
+        worst = max(run["diff"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= FP32_TOL, f"{name} rank {rank}: parameter {worst[0]} differs by {worst[1]:.3g}"
+    ref = job[0]["reference_losses"]
+    got = _mean_losses(runs)
+    assert got == pytest.approx(ref, abs=FP32_TOL), f"{name}: mean loss per step {got}, reference {ref}"
+
+
+def test_smptk_and_torch_collectives_give_the_same_parameters(job) -> None:
+    for rank in range(4):
+        a, b = job[rank]["full_shard_smptk"]["params"], job[rank]["full_shard_torch"]["params"]
+        for n in a:
+            assert (a[n] - b[n]).abs().max().item() <= FP32_TOL, f"rank {rank}: {n}"
+
+
+def _units(run):
+    return {u[0]: u for u in run["units"]}
+
+
+def test_report_full_shard_smptk(job) -> None:
+    for run in _case(job, "full_shard_smptk"):
+        assert (run["mode"], run["engine"], run["smptk"], run["reason"]) == ("full_shard", "fsdp2", True, "")
+        assert run["heap_bytes"] == 64 * 1024
+        units = _units(run)
+        assert list(units) == UNITS
+        assert [units[n][2] for n in UNITS] == [228, 228, 75]  # elements per unit; the root keeps inp + head
+        for name, _engine, _numel, ag, rs, ar, calls in run["units"]:
+            assert ag == "smptk all-gather (max_sms=1)" and rs == "smptk reduce-scatter (max_sms=1)", name
+            assert ar == "none (no dp_replicate dim)"
+            # reshard_after_forward=True: forward + backward all-gather per step; one reduce-scatter per step
+            assert calls == {
+                ("all-gather", "symmetric", "float32"): 6,
+                ("reduce-scatter", "symmetric", "float32"): 3,
+            }, name
+
+
+def test_report_torch_path(job) -> None:
+    for run in _case(job, "full_shard_torch"):
+        assert not run["smptk"] and run["reason"] == "use_smptk_collectives=False" and run["heap_bytes"] == 0
+        for name, _engine, _numel, ag, rs, _ar, calls in run["units"]:
+            assert ag == rs == "torch (use_smptk_collectives=False)" and calls == {}, name
+
+
+def test_report_hsdp_copy_engine(job) -> None:
+    for run in _case(job, "hsdp_copy_engine"):
+        assert (run["mode"], run["engine"], run["smptk"]) == ("hybrid_shard", "fsdp2", True)
+        for name, _engine, _numel, ag, rs, ar, calls in run["units"]:
+            assert ag == "smptk all-gather (copy engine, max_sms=0)", name
+            assert rs == "smptk reduce-scatter (max_sms=1: it has no copy-engine path)", name
+            assert ar.startswith("torch (FSDP2 all-reduces across dp_replicate itself"), name
+            # reshard_after_forward=False: one all-gather per step
+            assert calls == {
+                ("all-gather", "copy_engine", "float32"): 3,
+                ("reduce-scatter", "symmetric", "float32"): 3,
+            }, name
+
+
+def test_report_replicate_on_ddp_with_smptk_hook(job) -> None:
+    for run in _case(job, "replicate_ddp"):
+        assert (run["mode"], run["engine"], run["smptk"]) == ("replicate", "ddp", True)
+        ((name, engine, numel, ag, rs, ar, calls),) = run["units"]
+        assert (name, engine, numel) == ("", "ddp", 531)
+        assert ag == rs == "none (replicated parameters)"
+        assert ar == "smptk all-reduce (DDP comm hook, max_sms=2)"  # comm_max_sms 2 reached the hook
+        assert calls == {("all-reduce", "symmetric", "float32"): 3}  # one 531-value bucket per step
+
+
+def test_report_tensor_parallel_cases(job) -> None:
+    for run in _case(job, "tp2_fsdp"):
+        assert run["up_layer"] == "Linear"  # torch's ColwiseParallel keeps the module, with DTensor weights
+        assert (run["mode"], run["engine"], run["smptk"]) == ("full_shard", "fsdp2", True)
+        for name, *_, calls in run["units"]:
+            assert calls == {
+                ("all-gather", "symmetric", "float32"): 3,
+                ("reduce-scatter", "symmetric", "float32"): 3,
+            }, name
+    for run in _case(job, "tp2_replicate"):
+        assert run["up_layer"] == "ColumnParallelLinear"  # smptk's layers, from SmptkColwiseParallel
+        assert (run["mode"], run["engine"], run["smptk"]) == ("replicate", "fsdp2", False)
+        assert "DDP cannot hold the DTensor parameters" in run["reason"]
+        for name, _engine, _numel, ag, _rs, ar, calls in run["units"]:
+            assert ag == "torch (the dp_shard group has 1 rank: there is nothing to gather or scatter)", name
+            assert ar.startswith("torch (FSDP2 all-reduces") and calls == {}, name
+
+
+def test_bf16_trains_with_fp32_reduction(job) -> None:
+    runs = _case(job, "full_shard_bf16")
+    ref = job[0]["reference_losses"]
+    for rank, run in enumerate(runs):
+        assert (run["param_dtype"], run["reduce_dtype"]) == (torch.bfloat16, torch.float32)
+        worst = max(run["diff"].values())
+        assert worst <= BF16_TOL, f"rank {rank}: bf16 run is {worst:.3g} from the fp32 reference"
+        for name, *_, calls in run["units"]:
+            assert calls == {
+                ("all-gather", "symmetric", "bfloat16"): 3,  # parameters gathered in bf16
+                ("reduce-scatter", "symmetric", "float32"): 3,  # gradients reduced in fp32
+            }, name
+    got = _mean_losses(runs)
+    assert got == pytest.approx(ref, abs=BF16_TOL) and got[-1] < got[0], got
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In this process
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.act = nn.GELU()
+        self.head = nn.Linear(4, 3)
+
+
+def _names(units) -> list[str]:
+    return [n for n, _ in units]
+
+
+def test_select_units() -> None:
+    model = _Nested()
+    assert _names(select_units(model)) == ["layers.1", "layers.0"]
+    # no ModuleList: every direct child holding parameters (the GELU holds none)
+    flat = nn.Sequential(nn.Linear(2, 3), nn.GELU(), nn.Linear(3, 2))
+    assert _names(select_units(flat)) == ["2", "0"]
+    assert _names(select_units(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))) == ["1", "0"]
+    # classes: nested picks come children first
+    assert _names(select_units(model, [_Block, nn.Linear])) == [
+        "head",
+        "layers.1.lin",
+        "layers.1",
+        "layers.0.lin",
+        "layers.0",
+    ]
+    assert _names(select_units(model, ["head", "emb"])) == ["head", "emb"]
+    assert _names(select_units(model, lambda name, m: isinstance(m, nn.Embedding))) == ["emb"]
+    assert select_units(model, []) == []
+
+
+def test_select_units_rejects_bad_specs() -> None:
+    model = _Nested()
+    with pytest.raises(ValueError, match=re.escape("modules: no submodule named 'layer.0'")):
+        select_units(model, ["layer.0"])
+    with pytest.raises(TypeError, match=r"modules: expected nn.Module subclasses or qualified module names"):
+        select_units(model, [3])
+    with pytest.raises(TypeError, match="modules: expected None, a callable"):
+        select_units(model, "layers.0")
+
+
+def test_mixed_precision_policy() -> None:
+    bf16 = mixed_precision_policy("bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    fp16 = mixed_precision_policy("fp16")
+    assert (fp16.param_dtype, fp16.reduce_dtype) == (torch.float16, torch.float32)
+    fp32 = mixed_precision_policy("fp32")
+    assert (fp32.param_dtype, fp32.reduce_dtype) == (None, None)
+    with pytest.raises(ValueError, match="mixed_precision: expected one of bf16, fp16, fp32, got 'tf32'"):
+        mixed_precision_policy("tf32")
+
+
+@contextlib.contextmanager
+def _fake_world(world: int):
+    """This process as rank 0 of ``world`` on torch's fake backend (no-op collectives, real groups)."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    assert not dist.is_initialized(), "another test left a process group behind"
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        parallel.reset()
+        dist.destroy_process_group()
+
+
+def test_argument_errors() -> None:
+    with _fake_world(2):
+        with pytest.raises(RuntimeError, match=re.escape("call smptk.parallel.init(config) first")):
+            apply_data_parallel(nn.Linear(2, 2))
+        state = parallel.init({"mixed_precision": "fp32"})
+        with pytest.raises(TypeError, match=r"model: expected an nn.Module, got Tensor"):
+            apply_data_parallel(torch.zeros(2), state)
+        with pytest.raises(TypeError, match=r"state: expected the ParallelState of smptk\.parallel\.init"):
+            apply_data_parallel(nn.Linear(2, 2), {"hybrid_shard_degree": 0})
+        with pytest.raises(ValueError, match="use_smptk_collectives: expected 'auto', True or False, got 1"):
+            apply_data_parallel(nn.Linear(2, 2), state, use_smptk_collectives=1)
+        with pytest.raises(
+            TypeError, match="reshard_after_forward: expected a bool, an int or None, got str"
+        ):
+            apply_data_parallel(nn.Linear(2, 2), state, reshard_after_forward="yes")
+
+
+def test_smptk_required_where_it_cannot_run() -> None:
+    with _fake_world(2):
+        state = parallel.init({"tensor_parallel_degree": 2, "mixed_precision": "fp32"})  # dp_shard has 1 rank
+        msg = (
+            "use_smptk_collectives=True, but smptk's collectives cannot run here: "
+            "the dp_shard group has 1 rank"
+        )
+        with pytest.raises(RuntimeError, match=re.escape(msg)):
+            apply_data_parallel(nn.Linear(2, 2), state, use_smptk_collectives=True)
+
+
+def test_engine_choice_and_units_on_a_fake_world() -> None:
+    """Replication in bf16 runs on FSDP2 (DDP's mixed precision excludes smptk's hook), units as chosen."""
+    with _fake_world(4):
+        state = parallel.init({"hybrid_shard_degree": 1, "mixed_precision": "bf16"})
+        model = _Nested()
+        out, report = apply_data_parallel(model, state, modules=[_Block], use_smptk_collectives=False)
+        assert out is model and isinstance(report, DataParallelReport)
+        assert (report.mode, report.engine) == ("replicate", "fsdp2")
+        assert report.reason.startswith(
+            "replicate runs on FSDP2 with a 1-rank dp_shard dim: mixed_precision 'bf16'"
+        )
+        assert [u.name for u in report.units] == ["layers.1", "layers.0", ""]
+        assert [u.num_params for u in report.units] == [20, 20, 28 + 15]
+        assert report.sizes == {"dp_replicate": 4, "dp_shard": 1, "tp": 1}
+        assert "replicate on fsdp2 (dp_replicate 4, dp_shard 1, tp 1" in report.describe()
