@@ -14,6 +14,7 @@ import dataclasses
 import doctest
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -401,6 +402,15 @@ def test_comm_max_sms_applied_and_restored() -> None:
         assert comm.settings()["max_sms"] == before
         parallel.init({"comm_max_sms": other})
     assert comm.settings()["max_sms"] == before  # reset() (in _fake_rank) restored it
+
+
+def test_init_warns_about_keys_not_applied_yet() -> None:
+    with _fake_rank(0, 2):
+        with pytest.warns(UserWarning, match="activation_checkpointing, delayed_parameter_initialization"):
+            parallel.init({"activation_checkpointing": "full", "delayed_parameter_initialization": True})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            parallel.init({"activation_checkpointing": "none", "tensor_parallel_degree": 2})
 
 
 def test_init_rejects_world_mismatch_and_device_type() -> None:

@@ -84,6 +84,7 @@ import hashlib
 import json
 import os
 import types
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -433,6 +434,7 @@ def init(
     coords["edp_shard"] = expert_mesh.get_local_rank("edp_shard")
     coords["ep"] = expert_mesh.get_local_rank("ep")
 
+    _warn_unapplied(cfg)
     reset()  # a previous init's comm setting goes back before this config's applies
     if cfg.comm_max_sms:  # 0 is no default smptk.comm takes; None leaves its setting alone
         _saved_max_sms = int(comm.settings()["max_sms"])
@@ -450,6 +452,27 @@ def init(
         comm_max_sms=cfg.comm_max_sms,
     )
     return _state
+
+
+# Keys init validates and keeps on the state that no smptk function applies yet: a warning says so rather
+# than letting a run believe it checkpoints, offloads or defers initialization.
+_NOT_APPLIED_YET = {
+    "activation_checkpointing": "none",
+    "sm_activation_offloading": False,
+    "delayed_parameter_initialization": False,
+}
+
+
+def _warn_unapplied(cfg: ParallelConfig) -> None:
+    keys = [k for k, default in _NOT_APPLIED_YET.items() if getattr(cfg, k) != default]
+    if keys:
+        warnings.warn(
+            f"smptk.parallel.init: {', '.join(keys)} validated and kept on the state, but smptk does not "
+            "apply them yet: wrap blocks with torch.utils.checkpoint (and its offloading hooks) and build "
+            "the model on the meta device yourself",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def current() -> ParallelState:
