@@ -1,0 +1,296 @@
+"""Checkpoints that reshard: model and optimizer state through ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint saved under one parallel config loads under any other with identical values (TP 2 x DP 2
+-> DP 4 -> one process, HSDP -> full shard), because nothing here knows about shards:
+
+- :func:`save_checkpoint` takes the model and optimizer state with
+  ``torch.distributed.checkpoint.state_dict.get_state_dict``: keys are the parameters' qualified names
+  as in the unsharded model (FSDP2's and DDP's wrappers leave no trace in them), values are what each
+  rank holds (DTensors for tensor-parallel and FSDP2 parameters, with their global shape and
+  placements; plain tensors elsewhere), and the optimizer state is keyed by those names too, not by
+  parameter position. ``dcp.save`` writes each rank's shards with DCP's own format and default planner
+  (one ``.distcp`` file per rank plus a ``.metadata`` file mapping every global tensor to its pieces),
+  writing a replicated tensor once.
+- :func:`load_checkpoint` asks the *target* model for its state dict under its own config (the
+  DTensors say which slice this rank needs), ``dcp.load`` reads exactly those slices from whatever
+  pieces the checkpoint holds, and ``set_state_dict`` copies them into the model and optimizer. A
+  plain ``nn.Module`` on one process (no process group) loads the same checkpoint whole.
+- :func:`load_full_state_dict` loads ordinary full state dicts held by rank 0 only (a ``torch.save``
+  file, a Hugging Face model's weights): ``StateDictOptions(full_state_dict=True,
+  broadcast_from_rank0=True)`` broadcasts tensor by tensor and each rank keeps its slice, so no other
+  rank reads the file and no rank holds more than one full tensor beyond its shards.
+  :func:`get_full_state_dict` is the way back (rank 0 gets full tensors on CPU).
+
+Layout on disk: the state dict ``{"model": ..., "optim": ..., "step": int}`` (``optim`` only when an
+optimizer is given, ``step`` only when one is), flattened by DCP into keys such as
+``model.blocks.0.up.weight`` and ``optim.state.blocks.0.up.weight.exp_avg``.
+
+Every call is collective over the default process group (every rank calls it with the same path).
+
+Example (every rank, under torchrun)::
+
+    >>> save_checkpoint("ckpt/step100", model, opt, step=100)       # under TP 2 x HSDP
+    ... # a later run, another config (or one process, no torchrun)
+    >>> step = load_checkpoint("ckpt/step100", model, opt)          # 100
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MODEL_KEY, OPTIM_KEY, STEP_KEY = "model", "optim", "step"
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_intended():
+    """Silence DCP's warning that it saves / loads in one process: without a process group, that is
+    what these functions are asked to do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to (save|load) in a single process"
+        )
+        yield
+
+
+def _check_path(path: object) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a directory path (str or os.PathLike), got {type(path).__name__}")
+    return os.fspath(path)
+
+
+def _check_model_optimizer(model: object, optimizer: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None, options=None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as get_state_dict gives them (optim only with an optimizer)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {MODEL_KEY: get_model_state_dict(model, options=options)}
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    return {MODEL_KEY: msd, OPTIM_KEY: osd}
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+) -> None:
+    """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` with DCP.
+
+    Collective over the default process group (or a plain save on one process without one). The
+    directory is created; files of an earlier checkpoint there are overwritten.
+
+    Args:
+        path: the checkpoint directory (on a filesystem every rank sees, for a multi-node job).
+        model: the model as trained: tensor-parallel, FSDP2, DDP-wrapped or plain.
+        optimizer: its optimizer (any torch optimizer; its state is saved by parameter name), or None.
+        step: the training step, returned by :func:`load_checkpoint`; None saves none.
+    """
+    path = _check_path(path)
+    _check_model_optimizer(model, optimizer)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step: expected an int >= 0 or None, got {step!r}")
+    state = _state_dicts(model, optimizer)
+    if step is not None:
+        state[STEP_KEY] = step
+    Path(path).mkdir(parents=True, exist_ok=True)
+    with _single_process_intended():
+        _dcp().save(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def checkpoint_keys(path: str | os.PathLike) -> list[str]:
+    """The flattened keys a checkpoint holds (``model.<name>``, ``optim.state.<name>.<field>``, ``step``).
+
+    Reads only the ``.metadata`` file; FileNotFoundError names ``path`` when there is none.
+    """
+    path = _check_path(path)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not Path(path, ".metadata").is_file():
+        raise FileNotFoundError(
+            f"path: {path!r} holds no DCP checkpoint (no .metadata file); save one with save_checkpoint"
+        )
+    return list(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> int | None:
+    """Load a :func:`save_checkpoint` directory into ``model`` (and ``optimizer``), under any config.
+
+    Collective over the default process group (or a plain load on one process without one). Each rank
+    reads the slices its own parameters and optimizer state hold under the current config, from
+    whatever pieces the saving config wrote. An optimizer with no state yet gets it initialized first
+    (``get_state_dict`` runs one step at learning rate 0 on zero gradients), so load after building the
+    optimizer and before the first ``backward``.
+
+    Args:
+        path: the checkpoint directory.
+        model: the model, prepared for this run (tensor parallelism, FSDP2 or DDP) and with the same
+            parameter names as the saved one.
+        optimizer: its optimizer (same class and parameter groups as the saved one), or None to load
+            the model only.
+        strict: every parameter of ``model`` must be in the checkpoint (and nothing else in
+            the model part of it); False loads what matches.
+
+    Returns:
+        The ``step`` given to :func:`save_checkpoint`, or None when it was given none.
+    """
+    path = _check_path(path)
+    _check_model_optimizer(model, optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    keys = checkpoint_keys(path)
+    if optimizer is not None and not any(k.startswith(OPTIM_KEY + ".") for k in keys):
+        raise ValueError(
+            f"optimizer: the checkpoint at {path!r} holds no optimizer state (it was saved with "
+            "optimizer=None); pass optimizer=None to load the model only"
+        )
+    state = _state_dicts(model, optimizer)
+    if strict:
+        saved = {k[len(MODEL_KEY) + 1 :] for k in keys if k.startswith(MODEL_KEY + ".")}
+        wanted = set(state[MODEL_KEY])
+        missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+        if missing or unexpected:
+            raise KeyError(
+                f"the checkpoint at {path!r} does not match the model's parameter names: "
+                f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} (strict=False loads "
+                "what matches)"
+            )
+    if STEP_KEY in keys:
+        state[STEP_KEY] = 0
+    with _single_process_intended():
+        _dcp().load(state, checkpoint_id=path, no_dist=not _distributed(), planner=_planner(strict))
+    set_state_dict(
+        model,
+        [optimizer] if optimizer is not None else [],
+        model_state_dict=state[MODEL_KEY],
+        optim_state_dict=state.get(OPTIM_KEY, {}),
+        options=StateDictOptions(strict=strict),
+    )
+    return state.get(STEP_KEY)
+
+
+def _planner(strict: bool):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    return DefaultLoadPlanner(allow_partial_load=not strict)
+
+
+def _check_broadcast_support() -> type:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if "broadcast_from_rank0" not in {f.name for f in dataclasses.fields(StateDictOptions)}:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s StateDictOptions has no broadcast_from_rank0, which "
+            "load_full_state_dict needs; use torch >= 2.4, or load_checkpoint with a DCP checkpoint"
+        )
+    return StateDictOptions
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    model_state: Mapping[str, torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    *,
+    strict: bool = True,
+) -> None:
+    """Load full (unsharded) state dicts that only rank 0 holds; every rank keeps its own slice.
+
+    Collective over the default process group. Rank 0 passes an ordinary ``state_dict()`` of the
+    unsharded model (e.g. from ``torch.load``) and, optionally, the optimizer state of
+    :func:`get_full_state_dict` (keyed by parameter name); the other ranks pass None. Rank 0 broadcasts
+    one tensor at a time (``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``) and
+    each rank copies the slice its DTensor placements ask for.
+
+    Args:
+        model: the model under this run's config.
+        model_state: on rank 0 ``{parameter name: full tensor}``; None (or anything) elsewhere.
+        optimizer: the model's optimizer, or None.
+        optimizer_state: on rank 0 the full optimizer state dict (``get_full_state_dict(...)["optim"]``),
+            required when ``optimizer`` is given; None elsewhere.
+        strict: every parameter must be in ``model_state``.
+    """
+    _check_model_optimizer(model, optimizer)
+    options_cls = _check_broadcast_support()
+    if not _distributed():
+        raise RuntimeError(
+            "load_full_state_dict broadcasts from rank 0 of the default process group, and there is none; "
+            "in one process call model.load_state_dict(model_state) instead"
+        )
+    rank0 = dist.get_rank() == 0
+    if rank0 and not isinstance(model_state, Mapping):
+        raise TypeError(
+            f"model_state: rank 0 must pass the full state dict, got {type(model_state).__name__}"
+        )
+    if rank0 and optimizer is not None and not isinstance(optimizer_state, Mapping):
+        raise TypeError(
+            "optimizer_state: rank 0 must pass the full optimizer state dict when an optimizer is given, "
+            f"got {type(optimizer_state).__name__}"
+        )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    options = options_cls(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, dict(model_state) if rank0 else {}, options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, dict(optimizer_state) if rank0 else {}, options=options)
+
+
+def get_full_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, rank0_only: bool = True
+) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` with every tensor whole, on CPU (collective).
+
+    With ``rank0_only`` (default) only rank 0 gets the tensors and the others an empty dict each, so
+    one host's memory holds one copy (what :func:`load_full_state_dict` takes back); False gives them
+    to every rank (the tensors then stay on the parameters' device).
+    """
+    _check_model_optimizer(model, optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    return _state_dicts(model, optimizer, options)
+
+
+__all__ = [
+    "checkpoint_keys",
+    "get_full_state_dict",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "save_checkpoint",
+]

@@ -1,0 +1,226 @@
+"""The multi-rank side of ``tests/test_dcp.py``: one 4-rank job that saves and loads across configs.
+
+Phases, in one process group (process start-up dominates a job), each on a model rebuilt from another
+seed so that only the load can make its values right:
+
+1. ``tp2_dp2``: TP 2 (smptk's vocab-parallel embedding, column / row linears and a column-parallel head,
+   through the ParallelStyles) x FSDP2 over dp_shard 2; one Adam step; save checkpoint ``tp2_dp2``.
+2. ``dp4``: full shard over 4 ranks, no TP; load ``tp2_dp2``.
+3. ``hsdp``: dp_replicate 2 x dp_shard 2; load ``tp2_dp2``, take one more Adam step, save ``hsdp``.
+4. ``hsdp_to_dp4``: full shard over 4 ranks; load ``hsdp``.
+5. ``broadcast``: TP 2 x DP 2 again; rank 0 alone holds the full state of phase 3 and
+   ``load_full_state_dict`` broadcasts it.
+
+After every load, each parameter and each optimizer state tensor, gathered whole
+(``get_full_state_dict(rank0_only=False)``), must equal what was saved bit for bit, and the step must
+come back. The full states of phases 1 and 3 go back to the pytest process, which loads both
+checkpoints into the plain model on one process.
+
+Kernels take the PyTorch path (``SMPTK_KERNELS=torch``, set by the test) and FSDP2 runs torch's
+collectives (``use_smptk_collectives=False``): checkpoints move values, which neither changes, and the
+interpreted kernels and heap collectives would only add time (tests/test_fsdp.py covers those).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, FFN, SEQ, BATCH = 12, 8, 16, 5, 4
+LR = 1e-2
+
+
+class Block(nn.Module):
+    """``x + down(act(up(x)))`` on ``[b, s, HIDDEN]``; ``act`` is GELU, or Identity where ``up`` fuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.act = nn.GELU()
+        self.down = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+class TinyLM(nn.Module):
+    """ids ``[b, s]`` -> logits ``[b, s, VOCAB]`` (vocab-sharded ``[b, s, VOCAB/T]`` under TP)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tp_plan() -> dict:
+    from smptk.parallel import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
+
+    plan = {"embed": SmptkVocabParallel(), "head": SmptkColwiseParallel()}
+    for i in range(2):
+        plan[f"blocks.{i}.up"] = SmptkColwiseParallel(activation="gelu")
+        plan[f"blocks.{i}.down"] = SmptkRowwiseParallel()
+    return plan
+
+
+def build(state, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """TinyLM under ``state``'s config (TP when tp > 1, then apply_data_parallel) and its Adam."""
+    from smptk.parallel.fsdp import apply_data_parallel
+
+    model = TinyLM(seed)
+    if state.sizes["tp"] > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for block in model.blocks:  # the GELU runs fused in the column-parallel up projection
+            block.act = nn.Identity()
+        parallelize_module(model, state.submesh("tp"), tp_plan())
+    model, _ = apply_data_parallel(model, state, reshard_after_forward=False, use_smptk_collectives=False)
+    return model, torch.optim.Adam(model.parameters(), lr=LR)
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, state, n: int) -> float:
+    """One Adam step on this data-parallel rank's rows of global batch ``n``."""
+    from smptk.parallel import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(100 + n)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    dp, d = state.sizes["dp"], state.coords["dp"]
+    rows = ids[d * BATCH // dp : (d + 1) * BATCH // dp]
+    logits = model(rows[:, :-1])
+    if state.sizes["tp"] > 1:
+        loss = vocab_parallel_cross_entropy(logits, rows[:, 1:], group=state.group("tp"))
+    else:
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Model and optimizer state with every tensor whole, cloned to CPU (collective)."""
+    from smptk.parallel.dcp import get_full_state_dict
+
+    state = get_full_state_dict(model, opt, rank0_only=False)
+    return _tree_map(state, lambda t: t.detach().cpu().clone())
+
+
+def _tree_map(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _tree_map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tree_map(v, fn) for v in obj)
+    return obj
+
+
+def differences(got, want, where: str = "") -> list[str]:
+    """Every place where ``got`` and ``want`` differ: keys, tensor shape / dtype / values (exact), values."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return [f"{where}: {type(got).__name__}, expected a tensor"]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return [f"{where}: {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}"]
+        if not torch.equal(got, want):
+            return [f"{where}: max |diff| {(got.double() - want.double()).abs().max().item():.3g}"]
+        return []
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            got_keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+            return [f"{where}: keys {got_keys}, expected {sorted(want)}"]
+        return [p for k in want for p in differences(got[k], want[k], f"{where}.{k}" if where else str(k))]
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return [f"{where}: {got!r}, expected {want!r}"]
+        return [
+            p
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+            for p in differences(g, w, f"{where}[{i}]")
+        ]
+    return [] if got == want else [f"{where}: {got!r}, expected {want!r}"]
+
+
+CONFIGS = {
+    "tp2_dp2": {"tensor_parallel_degree": 2, "hybrid_shard_degree": 0},
+    "dp4": {"hybrid_shard_degree": 0},
+    "hsdp": {"hybrid_shard_degree": 2},
+}
+
+
+def run(rank: int, world: int, ckpt_dir: str) -> dict:
+    import smptk.comm as comm
+    import smptk.parallel as sp
+    from smptk.parallel.dcp import load_checkpoint, load_full_state_dict, save_checkpoint
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    comm.configure(max_sms=1, heap_bytes=64 * 1024, timeout_s=60)
+    out: dict = {"problems": {}}
+
+    def init(name: str):
+        sp.reset()
+        return sp.init({**CONFIGS[name], "mixed_precision": "fp32", "random_seed": 5})
+
+    def check(phase: str, got: dict, want: dict, got_step, want_step) -> None:
+        problems = differences(got, want)
+        if got_step != want_step:
+            problems.append(f"step {got_step!r}, expected {want_step!r}")
+        out["problems"][phase] = problems
+
+    # 1. TP 2 x DP 2: one step, save.
+    state = init("tp2_dp2")
+    model, opt = build(state, seed=1)
+    out["loss_tp2_dp2"] = step(model, opt, state, 0)
+    saved_a = full_state(model, opt)
+    save_checkpoint(os.path.join(ckpt_dir, "tp2_dp2"), model, opt, step=1)
+
+    # 2. DP 4 full shard: load.
+    state = init("dp4")
+    model, opt = build(state, seed=2)
+    got_step = load_checkpoint(os.path.join(ckpt_dir, "tp2_dp2"), model, opt)
+    check("tp2_dp2 -> dp4", full_state(model, opt), saved_a, got_step, 1)
+
+    # 3. HSDP: load, step, save.
+    state = init("hsdp")
+    model, opt = build(state, seed=3)
+    got_step = load_checkpoint(os.path.join(ckpt_dir, "tp2_dp2"), model, opt)
+    check("tp2_dp2 -> hsdp", full_state(model, opt), saved_a, got_step, 1)
+    out["loss_hsdp"] = step(model, opt, state, 1)
+    saved_b = full_state(model, opt)
+    save_checkpoint(os.path.join(ckpt_dir, "hsdp"), model, opt, step=2)
+
+    # 4. HSDP -> DP 4 full shard.
+    state = init("dp4")
+    model, opt = build(state, seed=4)
+    got_step = load_checkpoint(os.path.join(ckpt_dir, "hsdp"), model, opt)
+    check("hsdp -> dp4", full_state(model, opt), saved_b, got_step, 2)
+
+    # 5. A full state dict on rank 0 only, broadcast into TP 2 x DP 2.
+    state = init("tp2_dp2")
+    model, opt = build(state, seed=6)
+    load_full_state_dict(
+        model,
+        saved_b["model"] if rank == 0 else None,
+        opt,
+        saved_b["optim"] if rank == 0 else None,
+    )
+    check("broadcast from rank 0 -> tp2_dp2", full_state(model, opt), saved_b, 2, 2)
+
+    sp.reset()
+    if rank == 0:
+        out["saved"] = {"tp2_dp2": saved_a, "hsdp": saved_b}
+    return out
