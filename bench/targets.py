@@ -275,6 +275,21 @@ GROUPED = {"suite": "moe", "op": "grouped_gemm", "config": "mixtral", "tokens": 
 LAYER = {"suite": "moe", "op": "moe_layer", "tokens": MOE_T, "pass": "fwd+bwd", "impl": "smptk"}
 BF16 = {"dtype": "bfloat16"}
 
+# bench/tp_dist.py: the Llama-3-70B-shaped MLP pair (S=8192, H=8192, F=28672) with sequence parallelism at
+# TP = 8 real ranks; the smptk row must have run the fused all-gather GEMM within comm_max_sms = 8. The
+# baselines' comm_max_sms is None (torch picks its own SMs).
+TP_PAIR = {
+    "suite": "tp_dist",
+    "op": "tp_mlp_pair",
+    "pass": "fwd",
+    "config": "sp",
+    "world": 8,
+    "tp": 8,
+    "shape": {"S": 8192, "H": 8192, "F": 28672},
+    **BF16,
+}
+TP_FUSED = {**TP_PAIR, "impl": "smptk_fused", "path": "fused", "comm_max_sms": 8}
+
 TARGETS: tuple[Target, ...] = (
     Target(
         "linear.gelu_fwd_vs_eager",
@@ -467,6 +482,32 @@ TARGETS: tuple[Target, ...] = (
         min_gpus=2,
         candidates=functools.partial(_busbw_vs_nccl, copy_engine=True, collectives=("all_gather",)),
         bench_ids=("test_comm_dist[bandwidth]", "test_comm_dist[nccl]"),
+    ),
+    Target(
+        "tp.fused_pair_vs_dtensor",
+        11,
+        "TP column+row MLP pair fwd with SP at TP=8 (S=8192 H=8192 F=28672 bf16), fused all-gather GEMM "
+        "at comm_max_sms=8: speedup over torch DTensor Colwise/Rowwise (non-overlapped)",
+        TP_FUSED,
+        SPEEDUP,
+        ">=",
+        1.15,
+        baseline={"impl": "torch_dtensor", "path": "dtensor", "comm_max_sms": None},
+        min_gpus=8,
+        bench_ids=("test_tp_dist",),
+    ),
+    Target(
+        "tp.fused_pair_vs_async_tp",
+        11,
+        "same pair and shape: speedup over torch async TP (symm_mem fused_all_gather_matmul / "
+        "fused_matmul_reduce_scatter)",
+        TP_FUSED,
+        SPEEDUP,
+        ">=",
+        1.0,
+        baseline={"impl": "torch_async_tp", "path": "async_tp", "comm_max_sms": None},
+        min_gpus=8,
+        bench_ids=("test_tp_dist",),
     ),
 )
 
