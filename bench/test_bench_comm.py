@@ -292,7 +292,8 @@ class World:
         if kind == "all_reduce_one_shot":
             yield (0, n), reduced(0, n)
         elif kind == "all_reduce_two_shot":
-            s = -(-n // world)
+            per_vector = 16 // DTYPE.itemsize  # slices: ceil(n / W) rounded up to whole 16-byte vectors
+            s = -(-n // (world * per_vector)) * per_vector
             for q in range(world):
                 lo, hi = q * s, min((q + 1) * s, n)
                 if lo < hi:

@@ -6,7 +6,8 @@ the output with what the kernels' code says rank r must produce from its input a
 ``smptk.comm.simulated``):
 
 - one-shot all-reduce: ``reduce(x, R_q[:n] for q != r)``;
-- two-shot all-reduce: slice r is ``reduce(x[slice r], R_q[slice r])``, slice q != r is ``R_q[slice q]``;
+- two-shot all-reduce: slice r is ``reduce(x[slice r], R_q[slice r])``, slice q != r is ``R_q[slice q]``,
+  with slices of ``ceil(n / W)`` rounded up to whole 16-byte vectors (:func:`two_shot_slice`);
 - all-gather: block r is ``x``, block q != r is ``R_q[:n]``;
 - reduce-scatter: ``reduce(x[block r], R_q[block r] for q != r)``;
 - all-to-all: block r is ``x[block r]``, block q != r is ``R_q[block r]``.
@@ -26,6 +27,7 @@ visible); the CUDA cases (``gpu`` marker) run the same checks on a GPU.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -76,6 +78,12 @@ def _reduce(parts: list[torch.Tensor], op: str, world: int, dtype: torch.dtype) 
     return _round(acc, dtype)
 
 
+def two_shot_slice(n: int, world: int, dtype: torch.dtype) -> int:
+    """Elements per two-shot slice: ceil(n / W), rounded up to a multiple of 16 bytes of ``dtype``."""
+    per_vector = 16 // torch.empty((), dtype=dtype).element_size()
+    return math.ceil(math.ceil(n / world) / per_vector) * per_vector
+
+
 def expected(
     kind: str, x: torch.Tensor, peers: dict[int, torch.Tensor], world: int, rank: int, op: str
 ) -> torch.Tensor:
@@ -88,7 +96,7 @@ def expected(
     if kind == "all_reduce_one_shot":
         return _reduce([part(q, 0, total) for q in range(world)], op, world, x.dtype)
     if kind == "all_reduce_two_shot":
-        s = -(-total // world)
+        s = two_shot_slice(total, world, x.dtype)
         out = torch.empty_like(x)
         for q in range(world):
             lo, hi = q * s, min((q + 1) * s, total)
@@ -164,7 +172,7 @@ def run_and_check(
         )
     own = sim.peer_region(rank, dtype, numel)
     if kind == "all_reduce_two_shot":  # staged input, then the reduction written over its own slice
-        s = -(-numel // world)
+        s = two_shot_slice(numel, world, dtype)
         lo, hi = rank * s, min((rank + 1) * s, numel)
         staged = x_before.clone()
         if lo < hi:
@@ -173,6 +181,8 @@ def run_and_check(
         staged = x_before  # equal splits: every kind stages its whole input in order
     assert torch.equal(own, staged), f"{what}: own region does not hold the staged input"
     assert int(sim.status.abs().sum()) == 0, f"{what}: a simulated kernel recorded a missing peer"
+    launches = 2 if max_sms == 0 else 1  # the copy engine: its two signal kernels
+    assert sim.calls == launches, f"{what}: {sim.calls} launches, expected {launches}"
 
 
 # ----------------------------------------------------------------------------------- data movement
@@ -207,11 +217,13 @@ def test_copies_every_dtype(kind: str, dtype: torch.dtype) -> None:
     run_and_check(kind, world=3, n=7, max_sms=3, dtype=dtype, seed=11)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("rank", (0, 2))
 @pytest.mark.parametrize("n", (1, 7, 1000))
 @pytest.mark.parametrize("kind", ("all_gather", "all_to_all"))
 def test_copy_engine_moves_the_same_bytes(kind: str, n: int, rank: int) -> None:
-    """max_sms=0 (tensor copies, no kernel): the output and own region the kernel path gives."""
+    """max_sms=0 (tensor copies between the two signal kernels): the output and own region the kernel
+    path gives."""
     run_and_check(kind, world=3, n=n, max_sms=0, dtype=torch.bfloat16, rank=rank, seed=n + rank)
 
 
@@ -219,7 +231,8 @@ def test_copy_engine_moves_the_same_bytes(kind: str, n: int, rank: int) -> None:
 @pytest.mark.parametrize("rank", (1, 3))
 @pytest.mark.parametrize("kind", KINDS)
 def test_other_ranks(kind: str, rank: int) -> None:
-    # n=5 over 4 ranks: two-shot slices of 2, rank 3's slice has a single element.
+    # n=5 int32 over 4 ranks: two-shot slices of 4 (one 16-byte vector), rank 1's has one element and
+    # ranks 2 and 3 have none.
     run_and_check(kind, world=4, n=5, max_sms=3, dtype=torch.int32, rank=rank, op="max", seed=rank)
 
 
@@ -253,9 +266,9 @@ def test_fill_peers_and_peer_region() -> None:
     assert sim.peer_region(1, torch.int32, 4).tolist() == [2, 2, 2, 2]
     assert sim.peer_region(2, torch.int32, 4).tolist() == [0, 0, 0, 0]  # own region: not filled
     assert sim.peer_region(1, torch.float16).numel() == 32  # default: the whole region
-    addresses = sim.data_W.tolist()
+    addresses = sim.data_ptrs.tolist()
     assert [b - a for a, b in itertools.pairwise(addresses)] == [sim.region_stride] * 2
-    assert all(a % 4096 == 0 for a in addresses + sim.signal_W.tolist())
+    assert all(a % 4096 == 0 for a in addresses + sim.signal_ptrs.tolist())
     assert sim.peer_region(1, torch.int32, 1).data_ptr() == addresses[1]
 
 
@@ -285,9 +298,10 @@ def test_io_numel_follows_nccl_tests_sizes() -> None:
 # (smptk.kernels.collectives, "Data path"). The interpreter ignores the alignment hints but runs the same
 # branches, so these cases drive both paths and their tails on CPU; the CUDA cases run the compiled 128-bit
 # accesses. Sizes: 1 and 7 (a partial tile only), 8 (one 16-byte vector of 16-bit elements), 1000 and 4099
-# (whole tiles of the interpreter's 256 elements and a tail; at W=3 the two-shot slices are 334 and 1367,
-# not multiples of 16 bytes, so slices 1 and 2 take the scalar path), 4096 at W=2 (every offset aligned); on
-# CUDA also 3 x 8192 + 5 (whole 8192-element tiles). offset=1: misaligned input and output tensors.
+# (whole tiles of the interpreter's 256 elements and a tail; at W=3 the two-shot slices are 336 and 1368,
+# ceil(n / 3) rounded up to 16 bytes, so every slice starts aligned, while rank 1's reduce-scatter block
+# starts 4099 elements in and takes the scalar path), 4096 at W=2 (every offset aligned); on CUDA also
+# 3 x 8192 + 5 (whole 8192-element tiles). offset=1: misaligned input and output tensors.
 _PATH_SIZES = ((3, 1), (3, 7), (3, 8), (3, 1000), (2, 4096), (3, 4099))
 _CUDA_PATH_SIZES = ((3, 3 * 8192 + 5), (2, 4 * 8192))
 

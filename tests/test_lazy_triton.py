@@ -2,7 +2,9 @@
 
 A child process (no ``TRITON_INTERPRET``, no ``SMPTK_*`` variables) imports every package, runs every public
 op and the MoE layer on the PyTorch path (forced, and chosen by ``auto`` for CPU tensors without the
-interpreter), collects the environment as ``smptk info`` does, and checks after each step that neither
+interpreter), runs the four collectives of ``smptk.comm`` on a one-rank gloo group (CPU tensors without the
+interpreter: no heap applies, so they fall back to torch.distributed after checking their arguments and
+op), collects the environment as ``smptk info`` does, and checks after each step that neither
 ``triton`` nor any kernel module is in ``sys.modules``. It then sets ``TRITON_INTERPRET=1`` (after
 ``import smptk.kernels``, which is now early enough) and runs the Triton path: that imports triton, builds the
 kernels for the interpreter, and gives the reference results.
@@ -106,6 +108,23 @@ CHILD = textwrap.dedent(
         every_op()
         moe_layer()
 
+    def comm_fallback():
+        import tempfile
+        import torch.distributed as dist
+        import smptk.comm as comm
+        with tempfile.TemporaryDirectory() as d:
+            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+            try:
+                t, out = torch.arange(4.0), torch.full((4,), float("nan"))
+                comm.all_reduce(t, op="max")
+                comm.reduce_scatter_tensor(out, t, op="avg")
+                comm.all_gather_into_tensor(out, t)
+                comm.all_to_all_single(out, t, torch.tensor([4]), [4])
+                assert torch.equal(out, torch.arange(4.0)), out
+                assert comm.last_path() == "torch.distributed:gloo", comm.last_path()
+            finally:
+                dist.destroy_process_group()
+
     def info():
         from smptk._env import collect_environment
         env = collect_environment()
@@ -143,7 +162,7 @@ CHILD = textwrap.dedent(
         assert all(m in sys.modules for m in KERNEL_MODULES if not m.endswith("collectives")), loaded()
 
     if sys.argv[1] == "lazy":
-        for fn in (forced_torch, auto_on_cpu_without_interpreter, info):
+        for fn in (forced_torch, auto_on_cpu_without_interpreter, comm_fallback, info):
             check(fn.__name__, fn)
         check("triton_path", triton_path, expect_triton=True)
     else:
@@ -154,7 +173,14 @@ CHILD = textwrap.dedent(
 )
 
 CHECKS = {
-    "lazy": ["imports", "forced_torch", "auto_on_cpu_without_interpreter", "info", "triton_path"],
+    "lazy": [
+        "imports",
+        "forced_torch",
+        "auto_on_cpu_without_interpreter",
+        "comm_fallback",
+        "info",
+        "triton_path",
+    ],
     "torch-first": ["imports", "meta_tensors", "interpreter_after_torch_imported_triton"],
 }
 

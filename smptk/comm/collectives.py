@@ -4,7 +4,8 @@ Each call takes the symmetric path when the group has a heap here (every rank on
 tensor with torch symmetric memory, or a CPU tensor under ``TRITON_INTERPRET=1``) and the dtype and op
 are ones the kernels have (fp32 / bf16 / fp16 / int32; sum, avg, max, min, avg not for int32); it falls
 back to torch.distributed otherwise, and :func:`last_path` says which ran. Messages larger than the heap
-are cut into heap-sized chunks, so any size works.
+are cut into heap-sized chunks, so any size works. Every kernel launch goes through one path (the
+``_launch_*`` function of its kernel, then :func:`_launch`), which :mod:`smptk.comm.simulated` runs too.
 
 Settings (:func:`configure`, or the environment before the first call): ``max_sms`` (SMPTK_COMM_MAX_SMS,
 default 8) programs per collective, ``timeout_s`` (SMPTK_COMM_TIMEOUT_S, default 300) per wait on a peer,
@@ -35,7 +36,7 @@ import smptk.settings as env_settings
 from smptk.comm.heap import HeapUnavailable, SymmetricHeap
 from smptk.kernels import runtime
 from smptk.kernels._triton import kernel_module
-from smptk.kernels.heap_layout import CALL_OFFSET, MAX_PROGRAMS, SEEN_OFFSET
+from smptk.kernels.heap_layout import CALL_OFFSET, MAX_PROGRAMS, OPS, SEEN_OFFSET, SEQ_SHIFT
 
 K = kernel_module("smptk.kernels.collectives")  # imported (with triton) on first use: smptk.kernels._triton
 
@@ -231,16 +232,27 @@ def _max_sms(max_sms: int | None) -> int:
     return p
 
 
-def _op_code(op: str, dtype: torch.dtype) -> int:
-    if op not in K.OPS:
-        raise ValueError(f"op: expected one of {tuple(K.OPS)}, got {op!r}")
-    return K.OPS[op]
+def _op_code(op: str) -> int:
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {tuple(OPS)}, got {op!r}")
+    return OPS[op]
+
+
+def _kernels_refuse(dtype: torch.dtype, op: str | None = None, name: str = "input") -> Exception | None:
+    """Why the kernels cannot run a call on ``dtype`` with ``op``, as the error to raise; None when they can.
+
+    A heap's caller falls back to torch.distributed instead; a simulated world, which has none, raises it.
+    """
+    if dtype not in KERNEL_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
+        return TypeError(f"{name}: dtype {dtype} is not one the kernels have ({names})")
+    if op == "avg" and dtype == torch.int32:
+        return ValueError("op: 'avg' is not supported for int32 (the kernels' average would truncate)")
+    return None
 
 
 def _symmetric_ok(heap: SymmetricHeap | None, dtype: torch.dtype, op: str | None = None) -> bool:
-    if heap is None or dtype not in KERNEL_DTYPES:
-        return False
-    return not (op == "avg" and dtype == torch.int32)
+    return heap is not None and _kernels_refuse(dtype, op) is None
 
 
 def _fallback(group: dist.ProcessGroup) -> None:
@@ -254,7 +266,7 @@ def _acc_type(dtype: torch.dtype):
     return tl.int32 if dtype == torch.int32 else tl.float32
 
 
-# A call's tag: its sequence number on the heap << K.SEQ_SHIFT | kind (3 bits) | op + 1 (3) | dtype (3) |
+# A call's tag: its sequence number on the heap << SEQ_SHIFT | kind (3 bits) | op + 1 (3) | dtype (3) |
 # programs (9 bits, from bit 9). With the numel and chunk words it is what ranks compare (see K._verify).
 _KIND_CODES = {"all_reduce_one_shot": 1, "all_reduce_two_shot": 2, "all_gather": 3, "reduce_scatter": 4}
 _KIND_CODES["all_to_all"] = 5
@@ -275,7 +287,7 @@ class _Call:
 
     kind: str
     dtype: torch.dtype
-    op: int  # K.OPS code, -1 for collectives without one
+    op: int  # OPS code, -1 for collectives without one
     numel: int
     chunk: int
 
@@ -283,7 +295,7 @@ class _Call:
         meta = _KIND_CODES[self.kind] | (self.op + 1) << 3 | _DTYPE_CODES[self.dtype] << 6 | programs << 9
         # Bit 62 keeps every tag an int64 argument: a tag that fitted in 32 bits for the first calls
         # would make Triton compile the kernel a second time once the sequence number grew.
-        return _TAG_MARK | seq << K.SEQ_SHIFT | meta
+        return _TAG_MARK | seq << SEQ_SHIFT | meta
 
 
 def _describe_call(tag: int, numel: int, chunk: int) -> str:
@@ -292,9 +304,9 @@ def _describe_call(tag: int, numel: int, chunk: int) -> str:
         return "no call"
     kinds = {v: k for k, v in _KIND_CODES.items()}
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
-    ops = {v + 1: k for k, v in K.OPS.items()}
+    ops = {v + 1: k for k, v in OPS.items()}
     kind = kinds.get(tag & 7, "?")
-    parts = [f"call #{(tag & ~_TAG_MARK) >> K.SEQ_SHIFT}: {kind}", dtypes.get(tag >> 6 & 7, "?")]
+    parts = [f"call #{(tag & ~_TAG_MARK) >> SEQ_SHIFT}: {kind}", dtypes.get(tag >> 6 & 7, "?")]
     if tag >> 3 & 7:
         parts.append(f"op={ops.get(tag >> 3 & 7, '?')}")
     parts.append(f"max_sms={tag >> 9 & 511}")
@@ -302,33 +314,45 @@ def _describe_call(tag: int, numel: int, chunk: int) -> str:
     return " ".join(parts[:2]) + " (" + ", ".join(parts[2:]) + ")"
 
 
-def _launch(heap: SymmetricHeap, kernel, programs: int, *args, call: _Call, **meta) -> None:
-    """Run one collective kernel with a bounded wait and the cross-rank call check.
+def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Call, **meta) -> None:
+    """Run ``kernel[(programs,)](*data, <heap's tables>, *sizes, timeout_ns, ...)`` and handle its result.
 
-    Raises CommMismatchError when a peer's call differs and CommTimeoutError when a peer never arrived
-    (checked here on CPU; on CUDA at :func:`check` or with SMPTK_COMM_SYNC_CHECK=1).
+    The one launch of every collective kernel: the tables (``data_ptrs``, ``signal_ptrs``, ``status``,
+    ``rank``, ``world_size``), the wait budget, block size, clock and call words come from here. ``heap``:
+    a :class:`SymmetricHeap`, or a :class:`smptk.comm.simulated.SimulatedWorld` (the same tables over one
+    device's memory), whose launches run with ``SIMULATED=True``: the kernel skips every barrier and call
+    check, so nothing waits or is checked afterwards. On a heap, raises CommMismatchError when a peer's call
+    differs and CommTimeoutError when a peer never arrived (checked here on CPU; on CUDA at :func:`check`
+    or with SMPTK_COMM_SYNC_CHECK=1).
     """
     global _last_path
-    if heap.broken is not None:
+    simulated = not isinstance(heap, SymmetricHeap)
+    if not simulated and heap.broken is not None:
         raise CommError(
             f"rank {heap.rank}: the symmetric heap is unusable ({heap.broken}); call smptk.comm.reset() "
             "on every rank to build a new one"
         )
     timeout_s = _current().timeout_s
     interpreted = runtime.interpreter_enabled()
-    block = K.BLOCK_INTERPRETER if interpreted else K.BLOCK
     timer = None
-    if interpreted:  # no clock inside an interpreted kernel: a host thread raises the abort word instead
+    if interpreted and not simulated:  # no clock in an interpreted kernel: a host thread sets the abort word
         timer = threading.Timer(timeout_s, heap.abort_flag.fill_, args=(1,))
         timer.daemon = True
         timer.start()
     try:
         heap.calls += 1
         kernel[(programs,)](
-            *args,
+            *data,
+            heap.data_ptrs,
+            heap.signal_ptrs,
+            heap.status,
+            heap.rank,
+            heap.world_size,
+            *sizes,
             int(timeout_s * 1e9),
-            BLOCK=block,
+            BLOCK=K.BLOCK_INTERPRETER if interpreted else K.BLOCK,
             USE_CLOCK=not interpreted,
+            SIMULATED=simulated,
             call_tag=call.tag(heap.calls, programs),
             call_numel=call.numel,
             call_chunk=call.chunk,
@@ -337,6 +361,8 @@ def _launch(heap: SymmetricHeap, kernel, programs: int, *args, call: _Call, **me
     finally:
         if timer is not None:
             timer.cancel()
+    if simulated:
+        return
     _last_path = "symmetric"
     if heap.backend == "cpu" or (heap.status.is_cuda and _sync_checks()):
         _raise_on_status(heap, timeout_s)
@@ -393,8 +419,54 @@ def _heap_elems(heap: SymmetricHeap, dtype: torch.dtype) -> int:
 def _vector_floor(elems: int, dtype: torch.dtype) -> int:
     """``elems`` rounded down to whole 16-byte vectors: staging offsets that are multiples of it keep the
     kernels on their 128-bit path (see smptk.kernels.collectives); 0 when less than one vector."""
-    per_vector = max(1, 16 // torch.empty((), dtype=dtype).element_size())
-    return elems - elems % per_vector
+    return elems - elems % _per_vector(dtype)
+
+
+def _per_vector(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in 16 bytes (the kernels' VEC)."""
+    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
+
+
+def _two_shot_slice(n: int, world: int, dtype: torch.dtype) -> int:
+    """Elements of each rank's two-shot slice: ``ceil(n / world)`` rounded up to whole 16-byte vectors, so
+    every slice starts 16-byte aligned and the kernel's 128-bit path applies at any world size (the last
+    ranks' slices may then be short or empty)."""
+    per_vector = _per_vector(dtype)
+    return -(-n // (world * per_vector)) * per_vector
+
+
+# One launch of each kernel, on a heap or a simulated world (see :func:`_launch`): the collectives below
+# call these per chunk, and smptk.comm.simulated calls them for its single-launch messages.
+def _launch_all_reduce(heap, src, dst, programs: int, code: int, algorithm: str, numel: int) -> None:
+    """``dst = reduce over ranks of src`` (both ``[n]``, may alias); a chunk of a ``numel``-element call."""
+    n, dtype = src.numel(), src.dtype
+    if algorithm == "one_shot":
+        kernel, sizes = K._all_reduce_one_shot_kernel, (n,)
+    else:
+        kernel, sizes = K._all_reduce_two_shot_kernel, (n, _two_shot_slice(n, heap.world_size, dtype))
+    call = _Call(f"all_reduce_{algorithm}", dtype, code, numel, n)
+    _launch(heap, kernel, programs, (src, dst), sizes, call=call, OP=code, ACC=_acc_type(dtype))
+
+
+def _launch_all_gather(heap, src, dst, n: int, out_stride: int, programs: int, numel: int) -> None:
+    """``dst[q * out_stride + i] = (src of rank q)[i]``, ``i < n``; a chunk of a ``numel``-element input."""
+    call = _Call("all_gather", src.dtype, -1, numel, n)
+    _launch(heap, K._all_gather_kernel, programs, (src, dst), (n, out_stride), call=call)
+
+
+def _launch_reduce_scatter(heap, src, dst, n: int, in_stride: int, programs: int, code: int, numel: int):
+    """``dst[i] = reduce over ranks q of (src of q)[rank * in_stride + i]`` for ``i < n``; a chunk of a
+    ``numel``-element output."""
+    call = _Call("reduce_scatter", src.dtype, code, numel, n)
+    acc = _acc_type(src.dtype)
+    _launch(heap, K._reduce_scatter_kernel, programs, (src, dst), (n, in_stride), call=call, OP=code, ACC=acc)
+
+
+def _launch_all_to_all(heap, src, dst, windows, slot: int, programs: int, n_rounds: int) -> None:
+    """One all-to-all round; ``windows``: int64 ``[4, world]`` on the kernels' device, rows input offset,
+    input length, output offset, output length of each rank's window (see ``K._all_to_all_kernel``)."""
+    call = _Call("all_to_all", src.dtype, -1, n_rounds, slot)
+    _launch(heap, K._all_to_all_kernel, programs, (src, dst, *windows), (slot,), call=call)
 
 
 def all_reduce(
@@ -421,7 +493,7 @@ def all_reduce(
     """
     g = _group(group)
     _check_tensor("tensor", tensor)
-    code = _op_code(op, tensor.dtype)
+    code = _op_code(op)
     programs = _max_sms(max_sms)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
@@ -429,22 +501,13 @@ def all_reduce(
     if not _symmetric_ok(heap, tensor.dtype, op):
         _torch_all_reduce(tensor, op, g)
         return tensor
-    world = heap.world_size
     if algorithm == "auto":
         algorithm = "one_shot" if tensor.numel() * tensor.element_size() <= ONE_SHOT_MAX_BYTES else "two_shot"
     flat = tensor.view(-1)
     chunk = _heap_elems(heap, tensor.dtype)
-    acc = _acc_type(tensor.dtype)
     for c0 in range(0, flat.numel(), chunk):
         part = flat[c0 : c0 + chunk]
-        n = part.numel()
-        common = (heap.data_ptrs, heap.signal_ptrs, heap.status, heap.rank, world, n)
-        call = _Call(f"all_reduce_{algorithm}", tensor.dtype, code, flat.numel(), n)
-        if algorithm == "one_shot":
-            kernel, extra = K._all_reduce_one_shot_kernel, ()
-        else:
-            kernel, extra = K._all_reduce_two_shot_kernel, (-(-n // world),)  # slice_n
-        _launch(heap, kernel, programs, part, part, *common, *extra, call=call, OP=code, ACC=acc)
+        _launch_all_reduce(heap, part, part, programs, code, algorithm, flat.numel())
     if flat.numel() == 0:
         global _last_path
         _last_path = "symmetric"
@@ -509,24 +572,11 @@ def all_gather_into_tensor(
     chunk = _heap_elems(heap, input.dtype)
     if copy_engine:
         _all_gather_copy_engine(heap, src, dst, chunk)
+        global _last_path
+        _last_path = "copy_engine"
         return output
     for c0 in range(0, max(n_total, 1), chunk):
-        n = min(chunk, n_total - c0)
-        _launch(
-            heap,
-            K._all_gather_kernel,
-            programs,
-            src[c0:],
-            dst[c0:],
-            heap.data_ptrs,
-            heap.signal_ptrs,
-            heap.status,
-            heap.rank,
-            world,
-            n,
-            n_total,
-            call=_Call("all_gather", input.dtype, -1, n_total, n),
-        )
+        _launch_all_gather(heap, src[c0:], dst[c0:], min(chunk, n_total - c0), n_total, programs, n_total)
     return output
 
 
@@ -537,19 +587,18 @@ def _copy_algorithm(algorithm: str) -> bool:
     return algorithm == "copy_engine"
 
 
-def _signal(heap: SymmetricHeap, call: _Call) -> None:
+def _signal(heap, call: _Call) -> None:
     """One barrier of every rank's one-program signal kernel, with the cross-rank call check."""
-    _launch(heap, K._signal_kernel, 1, heap.data_ptrs, heap.signal_ptrs, heap.status, heap.rank,
-            heap.world_size, call=call)  # fmt: skip
+    _launch(heap, K._signal_kernel, 1, (), (), call=call)
 
 
-def _all_gather_copy_engine(heap: SymmetricHeap, src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
+def _all_gather_copy_engine(heap, src: torch.Tensor, dst: torch.Tensor, chunk: int) -> None:
     """all_gather with tensor copies: stage, signal, copy every peer's region, signal (per heap chunk).
 
     The copies run on the caller's stream, ordered with the signal kernels; on CUDA a copy between
-    device buffers (peer mappings included) is a copy-engine transfer, not a kernel of ours.
+    device buffers (peer mappings included) is a copy-engine transfer, not a kernel of ours. ``heap``:
+    a heap or a simulated world, as for :func:`_launch`.
     """
-    global _last_path
     n_total, world = src.numel(), heap.world_size
     for c0 in range(0, max(n_total, 1), chunk):
         n = min(chunk, n_total - c0)
@@ -561,7 +610,6 @@ def _all_gather_copy_engine(heap: SymmetricHeap, src: torch.Tensor, dst: torch.T
         for q in range(world):
             dst[q * n_total + c0 : q * n_total + c0 + n].copy_(heap.peer_data(q, src.dtype, n))
         _signal(heap, call)  # every rank has read: the regions may be staged again
-    _last_path = "copy_engine"
 
 
 def reduce_scatter_tensor(
@@ -591,7 +639,7 @@ def reduce_scatter_tensor(
             f"input: expected world_size * output.numel() = {world} * {output.numel()} elements, "
             f"got {input.numel()} (shape {tuple(input.shape)})"
         )
-    code = _op_code(op, input.dtype)
+    code = _op_code(op)
     programs = _max_sms(max_sms)
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype, op):
@@ -600,26 +648,9 @@ def reduce_scatter_tensor(
     src, dst = input.view(-1), output.view(-1)
     n_total = dst.numel()
     chunk = max(1, _vector_floor(_heap_elems(heap, input.dtype) // world, input.dtype))
-    acc = _acc_type(input.dtype)
     for c0 in range(0, max(n_total, 1), chunk):
         n = min(chunk, n_total - c0)
-        _launch(
-            heap,
-            K._reduce_scatter_kernel,
-            programs,
-            src[c0:],
-            dst[c0:],
-            heap.data_ptrs,
-            heap.signal_ptrs,
-            heap.status,
-            heap.rank,
-            world,
-            n,
-            n_total,
-            call=_Call("reduce_scatter", input.dtype, code, n_total, n),
-            OP=code,
-            ACC=acc,
-        )
+        _launch_reduce_scatter(heap, src[c0:], dst[c0:], n, n_total, programs, code, n_total)
     return output
 
 
@@ -760,35 +791,20 @@ def all_to_all_single(
     src, dst = input.view(-1), output.view(-1)
     if copy_engine:
         _all_to_all_copy_engine(heap, src, dst, (in_len, in_start), (out_len, out_start), slot, n_rounds)
+        global _last_path
+        _last_path = "copy_engine"
         return output
     dev = input.device
     for c in range(n_rounds):
         in_off, in_n = _window(in_len, in_start, c * slot, slot)
         out_off, out_n = _window(out_len, out_start, c * slot, slot)
         windows = torch.tensor([in_off, in_n, out_off, out_n], dtype=torch.int64).to(dev, non_blocking=True)
-        _launch(
-            heap,
-            K._all_to_all_kernel,
-            programs,
-            src,
-            dst,
-            windows[0],
-            windows[1],
-            windows[2],
-            windows[3],
-            heap.data_ptrs,
-            heap.signal_ptrs,
-            heap.status,
-            heap.rank,
-            world,
-            slot,
-            call=_Call("all_to_all", input.dtype, -1, n_rounds, slot),
-        )
+        _launch_all_to_all(heap, src, dst, windows, slot, programs, n_rounds)
     return output
 
 
 def _all_to_all_copy_engine(
-    heap: SymmetricHeap,
+    heap,
     src: torch.Tensor,
     dst: torch.Tensor,
     sends: tuple[list[int], list[int]],
@@ -797,8 +813,8 @@ def _all_to_all_copy_engine(
     n_rounds: int,
 ) -> None:
     """all_to_all with tensor copies, per round: stage each destination's window at ``d * slot`` of this
-    rank's region, signal, copy the window at ``rank * slot`` of every peer's region into ``dst``, signal."""
-    global _last_path
+    rank's region, signal, copy the window at ``rank * slot`` of every peer's region into ``dst``, signal.
+    ``sends`` / ``recvs``: (lengths, starts) of each rank's segment of ``src`` / ``dst``, in elements."""
     rank, world, dtype = heap.rank, heap.world_size, src.dtype
     for c in range(n_rounds):
         call = _Call("all_to_all_ce", dtype, -1, n_rounds, slot)
@@ -812,4 +828,3 @@ def _all_to_all_copy_engine(
             if out_n[q]:
                 dst[out_off[q] : out_off[q] + out_n[q]].copy_(heap.peer_data(q, dtype, out_n[q], rank * slot))
         _signal(heap, call)
-    _last_path = "copy_engine"

@@ -2,8 +2,10 @@
 
 What this is, plainly: **one rank's kernel, W buffers in one GPU's memory, no peer, no barrier waits;
 all traffic is local HBM.** :class:`SimulatedWorld` allocates W "peer" data regions side by side in one
-device's memory, builds the address tables the collective kernels of :mod:`smptk.kernels.collectives`
-take (``data_W``, ``signal_W``, an int32 ``status [2W]``), and launches those real kernels as rank
+device's memory and builds the address tables a symmetric heap has (``data_ptrs``, ``signal_ptrs``, an
+int32 ``status [2W]``). It is a thin mode of the one launch path of :mod:`smptk.comm.collectives`: the
+same per-kernel launch functions that the collectives call for each chunk (argument set-up, grid, block
+size, checks) launch the real kernels of :mod:`smptk.kernels.collectives` on these tables, as rank
 ``rank`` with exactly ``max_sms`` programs and ``SIMULATED=True``, which skips every barrier. Regions of
 ranks q != rank hold whatever the caller put there (:meth:`SimulatedWorld.peer_region`,
 :meth:`SimulatedWorld.fill_peers`): what peer q would have staged, or would have left there after its
@@ -19,9 +21,10 @@ What rank r's output holds (Legend: W ranks, n elements, ``R_q`` the data region
 region is overwritten by the kernel's staging phase, peers' regions are only read):
 
 - one-shot all-reduce of ``x [n]``: ``out = reduce(x, R_q[:n] for q != r)``.
-- two-shot all-reduce of ``x [n]`` with slices of ``s = ceil(n / W)``: slice r of ``out`` is
-  ``reduce(x[slice r], R_q[slice r] for q != r)``; slice q != r is ``R_q[slice q]`` (on a real node, the
-  reduction peer q wrote there).
+- two-shot all-reduce of ``x [n]`` with slices of ``s = ceil(n / W)`` rounded up to whole 16-byte vectors
+  (``V = 16 / element size`` elements; slice q is ``[q * s, min((q + 1) * s, n))``, empty for the last
+  ranks when n is small): slice r of ``out`` is ``reduce(x[slice r], R_q[slice r] for q != r)``; slice
+  q != r is ``R_q[slice q]`` (on a real node, the reduction peer q wrote there).
 - all-gather of ``x [n]`` into ``out [W * n]``: block r is ``x``, block q != r is ``R_q[:n]``.
 - reduce-scatter of ``x [W * n]`` into ``out [n]``: ``reduce(x[r*n:(r+1)*n], R_q[r*n:(r+1)*n] for q != r)``.
 - all-to-all (equal splits) of ``x [W * n]`` into ``out [W * n]``: block r is ``x[r*n:(r+1)*n]``, block
@@ -30,7 +33,8 @@ region is overwritten by the kernel's staging phase, peers' regions are only rea
 Reductions accumulate in fp32 (int32 for int32), in rank order 0..W-1, as on a real node.
 
 Messages must fit in one region (no chunking here, unlike :mod:`smptk.comm.collectives`); every launch
-is asynchronous on CUDA (no host sync inside a launch), so CUDA events can time it.
+is asynchronous on CUDA (no host sync inside a launch), so CUDA events can time it. ``max_sms=0`` runs
+all-gather and all-to-all as the collectives' ``algorithm="copy_engine"``.
 
 Example::
 
@@ -48,48 +52,20 @@ from collections.abc import Callable
 
 import torch
 
+from smptk.comm import collectives as C
 from smptk.kernels import runtime
-from smptk.kernels.heap_layout import CONTROL_BYTES, MAX_PROGRAMS, MAX_WORLD, SIGNAL_BYTES
+from smptk.kernels.heap_layout import CONTROL_BYTES, MAX_WORLD, SIGNAL_BYTES
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
-OPS = ("sum", "avg", "max", "min")
 # Collective names as bench.counts.COLLECTIVES spells them; :meth:`SimulatedWorld.run` takes these.
 KINDS = ("all_reduce_one_shot", "all_reduce_two_shot", "all_gather", "reduce_scatter", "all_to_all")
 _REGION_ALIGN = 4096  # every region starts on a 4 KiB boundary, as the heaps' segments do
-# The kernels take a wait budget, but SIMULATED=True never waits; any valid int64 value would do.
-_TIMEOUT_NS = 60 * 10**9
 
 
-def _as_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
-    return int(value)
-
-
-def _check_max_sms(max_sms: object) -> int:
-    p = _as_int("max_sms", max_sms)
-    if not 1 <= p <= MAX_PROGRAMS:
-        raise ValueError(f"max_sms: expected 1..{MAX_PROGRAMS}, got {max_sms}")
-    return p
-
-
-def _check_dtype(name: str, dtype: torch.dtype) -> None:
-    if dtype not in DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
-        raise TypeError(f"{name}: dtype {dtype} is not one the kernels have ({names})")
-
-
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_op(op: object, dtype: torch.dtype) -> None:
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
-    if op == "avg" and dtype == torch.int32:
-        raise ValueError("op: 'avg' is not supported for int32 (the kernels' integer average would truncate)")
+def _check_kernels_take(dtype: torch.dtype, op: str | None = None, name: str = "input") -> None:
+    """Raise what the collectives would fall back on: a dtype or op the kernels do not have."""
+    refusal = C._kernels_refuse(dtype, op, name)
+    if refusal is not None:
+        raise refusal
 
 
 def world_mode_label(world: int, device: str | torch.device = "cuda") -> str:
@@ -116,25 +92,27 @@ class SimulatedWorld:
         device: "cuda" (the kernels compile for the GPU), or "cpu" under ``TRITON_INTERPRET=1``.
         rank: the rank whose kernel runs, 0..world-1.
 
-    Attributes: ``data_W`` / ``signal_W`` (int64 ``[world]`` addresses of each region and signal pad),
-    ``status`` (int32 ``[2 * world]``; stays zero, since nothing waits), ``label`` (see
-    :func:`world_mode_label`). Regions and pads start zeroed. Data types are chosen per call.
+    Attributes, named as :class:`smptk.comm.heap.SymmetricHeap`'s so that the launch path takes either:
+    ``rank``, ``world_size``, ``heap_bytes``, ``device``, ``data_ptrs`` / ``signal_ptrs`` (int64 ``[world]``
+    addresses of each region and signal pad), ``status`` (int32 ``[2 * world]``; stays zero, since nothing
+    waits), ``calls`` (launches so far); and ``label`` (see :func:`world_mode_label`). Regions and pads
+    start zeroed. Data types are chosen per call.
 
     Example::
 
         >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device="cpu")   # needs TRITON_INTERPRET=1
-        >>> sim.data_W.shape, sim.status.shape
+        >>> sim.data_ptrs.shape, sim.status.shape
         (torch.Size([4]), torch.Size([8]))
     """
 
     def __init__(self, world: int, heap_bytes: int, device: str | torch.device = "cuda", *, rank: int = 0):
-        world = _as_int("world", world)
+        world = C._as_int("world", world)
         if not 1 <= world <= MAX_WORLD:
             raise ValueError(f"world: expected 1..{MAX_WORLD} ranks, got {world}")
-        rank = _as_int("rank", rank)
+        rank = C._as_int("rank", rank)
         if not 0 <= rank < world:
             raise ValueError(f"rank: expected 0..{world - 1} for world={world}, got {rank}")
-        heap_bytes = _as_int("heap_bytes", heap_bytes)
+        heap_bytes = C._as_int("heap_bytes", heap_bytes)
         if heap_bytes < 16 or heap_bytes % 16:
             raise ValueError(f"heap_bytes: expected a positive multiple of 16, got {heap_bytes}")
         device = torch.device(device)
@@ -158,7 +136,8 @@ class SimulatedWorld:
         if not runtime.triton_available():
             raise RuntimeError("the simulated world runs Triton kernels, and triton is not installed")
 
-        self.world, self.rank, self.heap_bytes, self.device = world, rank, heap_bytes, device
+        self.world_size, self.rank, self.heap_bytes, self.device = world, rank, heap_bytes, device
+        self.calls = 0
         self.region_stride = -(-heap_bytes // _REGION_ALIGN) * _REGION_ALIGN
         pad_bytes = -(-(SIGNAL_BYTES + CONTROL_BYTES) // _REGION_ALIGN) * _REGION_ALIGN
         # One allocation per kind, base rounded up to the alignment: the caching allocator's blocks are
@@ -168,14 +147,14 @@ class SimulatedWorld:
         self._data_base = (-self._data.data_ptr()) % _REGION_ALIGN
         pad_base = self._pads.data_ptr() + (-self._pads.data_ptr()) % _REGION_ALIGN
         data0 = self._data.data_ptr() + self._data_base
-        self.data_W = torch.tensor(
+        self.data_ptrs = torch.tensor(
             [data0 + q * self.region_stride for q in range(world)], dtype=torch.int64, device=device
         )
-        self.signal_W = torch.tensor(
+        self.signal_ptrs = torch.tensor(
             [pad_base + q * pad_bytes for q in range(world)], dtype=torch.int64, device=device
         )
         self.status = torch.zeros(2 * world, dtype=torch.int32, device=device)
-        self._a2a_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._a2a_tables: dict[int, torch.Tensor] = {}
 
     @property
     def label(self) -> str:
@@ -185,7 +164,7 @@ class SimulatedWorld:
 
             >>> row["world_mode"] = sim.label
         """
-        return world_mode_label(self.world, self.device)
+        return world_mode_label(self.world_size, self.device)
 
     # ------------------------------------------------------------------------------------ peer regions
     def peer_region(self, q: int, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
@@ -198,12 +177,12 @@ class SimulatedWorld:
 
             >>> sim.peer_region(1, torch.float16, 7).fill_(3.0)
         """
-        q = _as_int("q", q)
-        if not 0 <= q < self.world:
-            raise ValueError(f"q: expected a rank in 0..{self.world - 1}, got {q}")
-        _check_dtype("dtype", dtype)
+        q = C._as_int("q", q)
+        if not 0 <= q < self.world_size:
+            raise ValueError(f"q: expected a rank in 0..{self.world_size - 1}, got {q}")
+        _check_kernels_take(dtype, name="dtype")
         elem = torch.empty((), dtype=dtype).element_size()
-        numel = self.heap_bytes // elem if numel is None else _as_int("numel", numel)
+        numel = self.heap_bytes // elem if numel is None else C._as_int("numel", numel)
         if not 0 <= numel * elem <= self.heap_bytes:
             raise ValueError(
                 f"numel: {numel} elements of {dtype} need {numel * elem} bytes, but a region holds "
@@ -212,6 +191,11 @@ class SimulatedWorld:
         start = self._data_base + q * self.region_stride
         return self._data[start : start + numel * elem].view(dtype)
 
+    def peer_data(self, rank: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        """Elements ``[offset, offset + numel)`` of rank ``rank``'s region, as ``SymmetricHeap.peer_data``
+        gives them (what the copy-engine algorithm stages into and copies from)."""
+        return self.peer_region(rank, dtype, offset + numel)[offset:]
+
     def fill_peers(self, values: Callable[[int], torch.Tensor]) -> None:
         """For every rank q != ``self.rank``: copy ``values(q)`` (flattened) to the start of region q.
 
@@ -219,7 +203,7 @@ class SimulatedWorld:
 
             >>> sim.fill_peers(lambda q: torch.full((1000,), float(q), dtype=torch.bfloat16, device="cuda"))
         """
-        for q in range(self.world):
+        for q in range(self.world_size):
             if q == self.rank:
                 continue
             data = values(q)
@@ -228,49 +212,26 @@ class SimulatedWorld:
             self.peer_region(q, data.dtype, data.numel()).copy_(data.reshape(-1))
 
     # ------------------------------------------------------------------------------------ launches
-    def _check_io(
-        self, inp: torch.Tensor, out: torch.Tensor | None, out_numel: int, what: str
+    def _io(
+        self, inp: torch.Tensor, out: torch.Tensor | None, out_numel: int, what: str, op: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_dtype("input", inp.dtype)
+        """The checks of a call on ``inp`` (already a contiguous tensor): dtype and op the kernels have, this
+        world's device, fits a region; ``out`` allocated or checked. Returns both flat."""
+        _check_kernels_take(inp.dtype, op)
         if inp.device != self.device:
             raise ValueError(f"input: on {inp.device}, but the simulated world lives on {self.device}")
-        if not inp.is_contiguous():
-            raise ValueError(f"input: must be contiguous (got strides {inp.stride()})")
         nbytes = inp.numel() * inp.element_size()
         if nbytes > self.heap_bytes:
             raise ValueError(
                 f"input: {what} stages all {inp.numel()} elements ({nbytes} bytes) in a region, which holds "
                 f"heap_bytes={self.heap_bytes}; build the SimulatedWorld with heap_bytes >= {nbytes}"
             )
-        if out is None:
-            out = torch.empty(out_numel, dtype=inp.dtype, device=self.device)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
-        if out.dtype != inp.dtype:
-            raise TypeError(f"out: dtype {out.dtype} does not match input's {inp.dtype}")
-        if out.device != self.device:
-            raise ValueError(f"out: on {out.device}, but the simulated world lives on {self.device}")
-        if not out.is_contiguous():
-            raise ValueError(f"out: must be contiguous (got strides {out.stride()})")
+        out = torch.empty(out_numel, dtype=inp.dtype, device=self.device) if out is None else out
+        C._check_tensor("out", out)
+        C._check_pair("out", out, "input", inp)
         if out.numel() != out_numel:
             raise ValueError(f"out: expected {out_numel} elements for {what}, got {out.numel()}")
         return inp.view(-1), out.view(-1)
-
-    def _launch(self, kernel, max_sms: int, *args, **meta) -> None:
-        interpreted = runtime.interpreter_enabled()
-        from smptk.kernels import collectives as K
-
-        block = K.BLOCK_INTERPRETER if interpreted else K.BLOCK
-        kernel[(max_sms,)](*args, _TIMEOUT_NS, BLOCK=block, USE_CLOCK=not interpreted, SIMULATED=True, **meta)
-
-    def _common(self) -> tuple:
-        return (self.data_W, self.signal_W, self.status, self.rank, self.world)
-
-    @staticmethod
-    def _acc(dtype: torch.dtype):
-        from smptk.kernels._triton import tl
-
-        return tl.int32 if dtype == torch.int32 else tl.float32
 
     def all_reduce(
         self,
@@ -291,21 +252,11 @@ class SimulatedWorld:
         """
         if algorithm not in ("one_shot", "two_shot"):
             raise ValueError(f"algorithm: expected 'one_shot' or 'two_shot', got {algorithm!r}")
-        _check_tensor("input", input)
-        p = _check_max_sms(max_sms)
-        src, dst = self._check_io(input, out, input.numel(), f"all_reduce ({algorithm})")
-        _check_op(op, src.dtype)
-        n = src.numel()
-        if n == 0:
-            return dst
-        from smptk.kernels import collectives as K
-
-        meta = {"OP": K.OPS[op], "ACC": self._acc(src.dtype)}
-        if algorithm == "one_shot":
-            self._launch(K._all_reduce_one_shot_kernel, p, src, dst, *self._common(), n, **meta)
-        else:
-            slice_n = -(-n // self.world)
-            self._launch(K._all_reduce_two_shot_kernel, p, src, dst, *self._common(), n, slice_n, **meta)
+        C._check_tensor("input", input)
+        code, p = C._op_code(op), C._max_sms(max_sms)
+        src, dst = self._io(input, out, input.numel(), f"all_reduce ({algorithm})", op)
+        if src.numel():
+            C._launch_all_reduce(self, src, dst, p, code, algorithm, src.numel())
         return dst
 
     def all_gather(
@@ -313,28 +264,22 @@ class SimulatedWorld:
     ) -> torch.Tensor:
         """Rank ``self.rank``'s all-gather of ``input [n]`` into ``out [world * n]`` (block q from rank q).
 
-        ``max_sms=0``: the copy-engine algorithm (``smptk.comm``'s ``algorithm="copy_engine"``): the
-        staging copy and one tensor copy per region, no kernel (its signal kernels only wait for peers,
-        and a simulated world has none).
+        ``max_sms=0``: the copy-engine algorithm of ``smptk.comm`` (``algorithm="copy_engine"``): the staging
+        copy, the one-program signal kernel (which waits for no peer here), one tensor copy per region,
+        the closing signal kernel.
 
         Example::
 
             >>> out = sim.all_gather(torch.arange(5, dtype=torch.int32), max_sms=1)   # 4 * 5 elements
         """
-        _check_tensor("input", input)
-        p = 0 if max_sms == 0 else _check_max_sms(max_sms)
-        src, dst = self._check_io(input, out, self.world * input.numel(), "all_gather")
+        C._check_tensor("input", input)
+        p = 0 if max_sms == 0 else C._max_sms(max_sms)
+        src, dst = self._io(input, out, self.world_size * input.numel(), "all_gather")
         n = src.numel()
-        if n == 0:
-            return dst
-        if p == 0:
-            self.peer_region(self.rank, src.dtype, n).copy_(src)
-            for q in range(self.world):
-                dst[q * n : (q + 1) * n].copy_(self.peer_region(q, src.dtype, n))
-            return dst
-        from smptk.kernels import collectives as K
-
-        self._launch(K._all_gather_kernel, p, src, dst, *self._common(), n, n)
+        if n and p == 0:
+            C._all_gather_copy_engine(self, src, dst, n)
+        elif n:
+            C._launch_all_gather(self, src, dst, n, n, p, n)
         return dst
 
     def reduce_scatter(
@@ -346,21 +291,17 @@ class SimulatedWorld:
 
             >>> out = sim.reduce_scatter(torch.ones(4 * 5), op="sum", max_sms=3)   # 5 elements
         """
-        _check_tensor("input", input)
-        p = _check_max_sms(max_sms)
-        if input.numel() % self.world:
+        C._check_tensor("input", input)
+        code, p = C._op_code(op), C._max_sms(max_sms)
+        if input.numel() % self.world_size:
             raise ValueError(
-                f"input: reduce_scatter needs a multiple of world={self.world} elements, got {input.numel()}"
+                f"input: reduce_scatter needs a multiple of world={self.world_size} elements, "
+                f"got {input.numel()}"
             )
-        n = input.numel() // self.world
-        src, dst = self._check_io(input, out, n, "reduce_scatter")
-        _check_op(op, src.dtype)
-        if n == 0:
-            return dst
-        from smptk.kernels import collectives as K
-
-        meta = {"OP": K.OPS[op], "ACC": self._acc(src.dtype)}
-        self._launch(K._reduce_scatter_kernel, p, src, dst, *self._common(), n, n, **meta)
+        n = input.numel() // self.world_size
+        src, dst = self._io(input, out, n, "reduce_scatter", op)
+        if n:
+            C._launch_reduce_scatter(self, src, dst, n, n, p, code, n)
         return dst
 
     def all_to_all(
@@ -375,53 +316,29 @@ class SimulatedWorld:
 
             >>> out = sim.all_to_all(torch.arange(4 * 3, dtype=torch.int32), max_sms=2)
         """
-        _check_tensor("input", input)
-        p = 0 if max_sms == 0 else _check_max_sms(max_sms)
-        if input.numel() % self.world:
+        C._check_tensor("input", input)
+        p = 0 if max_sms == 0 else C._max_sms(max_sms)
+        world = self.world_size
+        if input.numel() % world:
             raise ValueError(
-                f"input: all_to_all with equal splits needs a multiple of world={self.world} elements, "
+                f"input: all_to_all with equal splits needs a multiple of world={world} elements, "
                 f"got {input.numel()}"
             )
-        seg = input.numel() // self.world
-        src, dst = self._check_io(input, out, input.numel(), "all_to_all")
-        if seg == 0:
-            return dst
-        if p == 0:
-            own = self.peer_region(self.rank, src.dtype, self.world * seg)
-            own.copy_(src)  # block d staged at d * seg, as the kernel stages it
-            for q in range(self.world):
-                region = self.peer_region(q, src.dtype, self.world * seg)
-                dst[q * seg : (q + 1) * seg].copy_(region[self.rank * seg : (self.rank + 1) * seg])
-            return dst
-        from smptk.kernels import collectives as K
-
-        offs, lens = self._a2a_table(seg)
-        data_W, signal_W, status, rank, world = self._common()
-        # Equal splits: the same (offset, length) tables serve the input side and the output side.
-        self._launch(
-            K._all_to_all_kernel,
-            p,
-            src,
-            dst,
-            offs,
-            lens,
-            offs,
-            lens,
-            data_W,
-            signal_W,
-            status,
-            rank,
-            world,
-            seg,
-        )
+        seg = input.numel() // world
+        src, dst = self._io(input, out, input.numel(), "all_to_all")
+        if seg and p == 0:  # one round with a slot of one block: block d staged at d * seg
+            blocks = ([seg] * world, [q * seg for q in range(world)])
+            C._all_to_all_copy_engine(self, src, dst, blocks, blocks, seg, 1)
+        elif seg:
+            C._launch_all_to_all(self, src, dst, self._a2a_windows(seg), seg, p, 1)
         return dst
 
-    def _a2a_table(self, seg: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """int64 ``[world]`` offsets ``q * seg`` and lengths ``seg``, made on the device (no host copy)."""
+    def _a2a_windows(self, seg: int) -> torch.Tensor:
+        """int64 ``[4, world]``: offsets ``q * seg`` and lengths ``seg`` of the input's and the output's
+        blocks (equal splits), made once on the device, so a launch copies nothing from the host."""
         if seg not in self._a2a_tables:
-            offs = torch.arange(self.world, dtype=torch.int64, device=self.device) * seg
-            lens = torch.full((self.world,), seg, dtype=torch.int64, device=self.device)
-            self._a2a_tables[seg] = (offs, lens)
+            offs = torch.arange(self.world_size, dtype=torch.int64, device=self.device) * seg
+            self._a2a_tables[seg] = torch.stack([offs, torch.full_like(offs, seg)] * 2)
         return self._a2a_tables[seg]
 
     def run(
@@ -466,7 +383,7 @@ class SimulatedWorld:
         """
         if kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-        _check_dtype("dtype", dtype)
+        _check_kernels_take(dtype, name="dtype")
         elem = torch.empty((), dtype=dtype).element_size()
         if size_bytes % elem:
             raise ValueError(f"size_bytes: {size_bytes} is not a whole number of {elem}-byte elements")

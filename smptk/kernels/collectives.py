@@ -33,7 +33,8 @@ program started; under the interpreter (no clock intrinsic) it gives up when the
 abort word. A program that gives up records the missing rank in ``status`` and skips all further work
 and barriers; the host then raises :class:`smptk.comm.CommTimeoutError`.
 
-Reductions accumulate in fp32 for fp16/bf16/fp32 and in int32 for int32. Ops: 0 sum, 1 avg, 2 max, 3 min.
+Reductions accumulate in fp32 for fp16/bf16/fp32 and in int32 for int32. Ops (``heap_layout.OPS``): 0 sum,
+1 avg, 2 max, 3 min.
 
 Data path (``_copy``, ``_reduce_range``). Every copy and reduction covers a range of n elements in tiles of
 2 * BLOCK bytes, tile t of the range being program t % P's, on every path: which path a rank takes never
@@ -53,11 +54,13 @@ paths hold bitwise-equal results.
 Alignment guarantees: both heaps place every data region on a 4 KiB boundary (``smptk.comm.heap``:
 4 KiB-aligned segments, ``DATA_OFFSET`` a multiple of 4096; the simulated world: ``_REGION_ALIGN``), and
 ``heap_bytes`` is a multiple of 16, so chunk boundaries (``heap_bytes / element size`` elements) keep a
-tensor's alignment. Offsets inside a region are the host's: the two-shot slices ``q * slice_n`` and the
-reduce-scatter blocks ``q * n`` are 16-byte multiples when ``slice_n`` (``ceil(n / W)``) and ``n`` are
-multiples of VEC; the all-to-all slots ``d * slot`` when ``slot`` (``heap_bytes / W`` bytes) is, and the
-split offsets when the splits are. A range whose offsets are not (world 3, an odd split) takes the
-scalar path.
+tensor's alignment. Offsets inside a region are the host's (``smptk.comm.collectives``), which makes them
+whole 16-byte vectors where it can: the two-shot ``slice_n`` is ``ceil(n / W)`` rounded up to a multiple of
+VEC, so every slice ``q * slice_n`` starts aligned at any world size (the last ones may be short or empty);
+the all-to-all ``slot`` (about ``heap_bytes / W`` bytes) and the reduce-scatter chunk are rounded down to a
+multiple of VEC. The reduce-scatter blocks ``q * n`` are aligned when the chunk n is a multiple of VEC
+(every chunk but a message's last), the all-to-all split offsets when the splits are. A range whose
+offsets are not (an odd last reduce-scatter chunk, an odd split) takes the scalar path.
 
 ``SIMULATED=True`` skips every barrier: one rank's kernel moves data through W buffers that all live in
 one device's memory, with no peer to wait for. Only the benchmarks' single-GPU "simulated world" uses it;
@@ -71,25 +74,20 @@ and write [11, 22, 33] into its output; a closing barrier keeps the regions aliv
 from __future__ import annotations
 
 from smptk.kernels._triton import tl, triton
-from smptk.kernels.heap_layout import ABORT_OFFSET, CALL_OFFSET, MAX_WORLD, SEEN_OFFSET
+from smptk.kernels.heap_layout import ABORT_OFFSET, CALL_OFFSET, MAX_WORLD, SEEN_OFFSET, SEQ_SHIFT
 
 # Heap layout constants as tl.constexpr: the Triton compiler rejects plain Python globals in kernels.
 _MAX_WORLD = tl.constexpr(MAX_WORLD)
 _ABORT_WORD = tl.constexpr(ABORT_OFFSET // 4)  # int32 index of the abort word from the pad's start
 _CALL_WORD = tl.constexpr(CALL_OFFSET // 8)  # int64 index of this rank's announced call
 _SEEN_WORD = tl.constexpr(SEEN_OFFSET // 8)  # int64 index of the table of peers' differing calls
-SEQ_SHIFT = 24  # call tag = sequence number << SEQ_SHIFT | what the call is (see smptk.comm.collectives)
 _SEQ_SHIFT = tl.constexpr(SEQ_SHIFT)
-
-OP_SUM, OP_AVG, OP_MAX, OP_MIN = 0, 1, 2, 3
 # Integer arguments equal to 1 would otherwise become compile-time constants (rank 1, world 1, n 1...):
 # one compiled kernel per rank and size class is wasteful, and constants have no ``.to``.
 _NO_SPECIALIZE = [
     "rank", "world", "n", "slice_n", "out_stride", "in_stride", "slot", "timeout_ns",
     "call_tag", "call_numel", "call_chunk",
 ]  # fmt: skip
-OPS = {"sum": OP_SUM, "avg": OP_AVG, "max": OP_MAX, "min": OP_MIN}
-
 # Measured on one H100 (Triton 3.6) in the simulated world: W=8 regions in one GPU's HBM, SIMULATED=True,
 # bf16, 8 MiB blocks, bytes read + written by one program (one SM), median of 12 launches. Against the
 # scalar kernels this data path replaced (BLOCK=1024, 4 warps), with the values below: all_gather 7.8 ->

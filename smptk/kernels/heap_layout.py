@@ -1,7 +1,8 @@
-"""Byte layout of a symmetric-heap segment, shared by the collective kernels and ``smptk.comm.heap``.
+"""Byte layout of a symmetric-heap segment and the codes of a call, shared by the collective kernels and
+``smptk.comm``.
 
-Lives in the kernels layer (imports go kernels <- comm) and imports nothing, so the heap can be built
-without touching Triton. Per rank, in bytes::
+Lives in the kernels layer (imports go kernels <- comm) and imports nothing, so the heap can be built, and a
+call checked or sent to torch.distributed's fallback, without importing Triton. Per rank, in bytes::
 
     [0, SIGNAL_BYTES)                       int32 [MAX_PROGRAMS, MAX_WORLD] barrier slots
     [SIGNAL_BYTES, +CONTROL_BYTES)          control words:
@@ -20,3 +21,9 @@ CALL_OFFSET = SIGNAL_BYTES + 64  # 8-byte aligned; three int64 words
 SEEN_OFFSET = SIGNAL_BYTES + 128  # MAX_WORLD x 3 int64 words = 1536 bytes, ends well inside CONTROL_BYTES
 CALL_WORDS = 3
 DATA_OFFSET = SIGNAL_BYTES + CONTROL_BYTES
+
+# Reduction op codes, the kernels' OP constexpr (smptk.kernels.collectives._combine).
+OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3}
+# Call tag = sequence number << SEQ_SHIFT | what the call is (packed by smptk.comm.collectives._Call; the
+# kernels compare the sequence numbers of their own and a peer's announced call).
+SEQ_SHIFT = 24
