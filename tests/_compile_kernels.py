@@ -52,8 +52,10 @@ Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``)
 - collectives, USE_CLOCK=True (the CUDA path, ``%globaltimer`` inline PTX): every op valid for each of
   fp32/bf16/fp16/int32 (ACC fp32, or int32 for int32; no int32 "avg", which the host never launches) with
   the default 300 s timeout (an i64 argument); per kernel one bf16 variant with an i32 timeout and i64 sizes,
-  and one with SIMULATED=True where the kernel has that flag. Built with the kernels' own launch options
-  (``collectives.LAUNCH_OPTIONS``: ``num_warps``, ``maxnreg``), as the launch paths run them.
+  and one with SIMULATED=True where the kernel has that flag; the one-program ``_signal_kernel`` of the
+  copy-engine collectives (no data, no dtype) in the same three modes. Built with each kernel's own launch
+  options (``collectives.LAUNCH_OPTIONS``: ``num_warps``, ``maxnreg``; the signal kernel Triton's defaults),
+  as the launch path runs them.
 - ``moe_route`` and ``moe_dispatch`` kernels (T = 4096 tokens, H = 2048): per kernel the DeepSeek-V2-Lite
   set-up (E = 64, k = 6; bf16 logits and rows, int32 ids, fp32 routing weights, capacity factor 1.25)
   and an int64 one: DeepSeek-V3 routing (E = 256, k = 8, sigmoid + expert bias) in fp32 past 2^31 tokens,
@@ -239,14 +241,16 @@ def _gemm_variants(arch: int, specs: list, full: bool) -> list[Variant]:
             quick is not None and s.path == "pointer" and s.id not in quick
         ):
             continue
-        ptrs = {name: t for name, t in s.signature().items() if t.startswith("*")}
+        sig = s.signature()
+        ptrs = {name: t for name, t in sig.items() if t.startswith("*")}
+        types = {name: t for name, t in sig.items() if t not in ("constexpr", "i32")}
         c = s.config
         # fp32 "ieee" products are FMA loops unrolled over the tile: the slowest compiles.
-        cost = c.block_m * c.block_n * (2 if s.constexprs["DUAL"] == 2 else 1) // 256
+        cost = c.block_m * c.block_n * (2 if s.constexprs.get("DUAL") == 2 else 1) // 256
         cost *= 8 if s.constexprs["PRECISION"] == "ieee" else 1
         out.append(
             _variant(
-                f"gemm-sm{arch}-{s.id}", _GEMM, arch, ptrs, s.constexprs, [*ptrs, *s.aligned], c.warps,
+                f"gemm-sm{arch}-{s.id}", s.kernel, arch, types, s.constexprs, [*ptrs, *s.aligned], c.warps,
                 c.stages, cost, gemm_path=s.path, dtype=s.dtype,
             )
         )  # fmt: skip
@@ -319,13 +323,14 @@ def _elementwise_variants(arch: int, blocks: dict, full: bool) -> list[Variant]:
 
 _COLL_DTYPES = ("fp32", "bf16", "fp16", "i32")
 _COLL = "smptk.kernels.collectives:"
-# kernel -> (has OP/ACC, extra int64 address-table pointers)
+# kernel -> (has OP/ACC, extra int64 address-table pointers); None: moves no data (no in/out, no dtype)
 _COLL_KERNELS = {
     "_all_reduce_one_shot_kernel": (True, ()),
     "_all_reduce_two_shot_kernel": (True, ()),
     "_all_gather_kernel": (False, ()),
     "_reduce_scatter_kernel": (True, ()),
     "_all_to_all_kernel": (False, ("in_off_W", "in_len_W", "out_off_W", "out_len_W")),
+    "_signal_kernel": (False, None),  # the copy-engine collectives' barrier: one program
 }
 _COLL_SHORT = {
     "_all_reduce_one_shot_kernel": "all_reduce_one_shot",
@@ -333,6 +338,7 @@ _COLL_SHORT = {
     "_all_gather_kernel": "all_gather",
     "_reduce_scatter_kernel": "reduce_scatter",
     "_all_to_all_kernel": "all_to_all",
+    "_signal_kernel": "signal",
 }
 # The size-like ints of each kernel (i64 in the large-size variant); rank and world stay i32.
 _COLL_SIZES = {
@@ -341,33 +347,33 @@ _COLL_SIZES = {
     "_all_gather_kernel": ("n", "out_stride"),
     "_reduce_scatter_kernel": ("n", "in_stride"),
     "_all_to_all_kernel": ("slot",),
+    "_signal_kernel": (),
 }
 
 
 def _collective_variants(
-    arch: int, block: int, ops: dict[str, int], params: dict[str, list[str]], launch: dict
+    arch: int, block: int, ops: dict[str, int], params: dict[str, list[str]], launch: dict[str, dict]
 ) -> list:
     """``params``: each kernel's argument names (a SIMULATED variant is added where the kernel has one);
-    ``launch``: the kernels' launch options (``num_warps``, ``maxnreg``)."""
+    ``launch``: each kernel's launch options (``num_warps``, ``maxnreg``; empty: Triton's defaults)."""
     out = []
     for name, (has_op, tables) in _COLL_KERNELS.items():
         modes = ["default", "i32_timeout-i64_sizes"]
         if "SIMULATED" in params[name]:
             modes.append("simulated")
-        for dtype in _COLL_DTYPES:
+        for dtype in _COLL_DTYPES if tables is not None else ("",):
             op_items = sorted(ops.items(), key=lambda kv: kv[1]) if has_op else [(None, None)]
             for op_name, op in op_items:
                 if dtype == "i32" and op_name == "avg":
                     continue  # the host takes torch.distributed's path for int32 avg
                 for mode in modes:
-                    if mode != "default" and not (dtype == "bf16" and op in (None, 0)):
+                    if mode != "default" and not (dtype in ("bf16", "") and op in (None, 0)):
                         continue  # one variant per kernel for the other int widths and SIMULATED
-                    types = {"in_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
-                    types.update({t: "*i64" for t in ("data_W", "signal_W", *tables)})
+                    types = {"in_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"} if dtype else {}
+                    types.update({t: "*i64" for t in ("data_W", "signal_W", *(tables or ()))})
                     types["status_ptr"] = "*i32"
                     types["timeout_ns"] = "i64"  # default timeout 300 s = 3e11 ns
-                    if mode != "simulated":  # simulated launches leave the call words at their default 0
-                        types["call_tag"] = "i64"  # bit 62 set: always an int64 (see smptk.comm)
+                    types["call_tag"] = "i64"  # bit 62 set: always an int64 (see smptk.comm)
                     if mode == "i32_timeout-i64_sizes":
                         types["timeout_ns"] = "i32"
                         types.update({s: "i64" for s in _COLL_SIZES[name]})
@@ -381,16 +387,16 @@ def _collective_variants(
                     op_part = f"-{op_name}" if has_op else ""
                     out.append(
                         _variant(
-                            f"{_COLL_SHORT[name]}-sm{arch}-{dtype}{op_part}-{mode}",
+                            f"{_COLL_SHORT[name]}-sm{arch}{'-' * bool(dtype)}{dtype}{op_part}-{mode}",
                             _COLL + name,
                             arch,
                             types,
                             consts,
                             aligned,
-                            num_warps=launch["num_warps"],
+                            num_warps=launch[name].get("num_warps", 4),
                             cost=2,
                             dtype=dtype,
-                            maxnreg=launch.get("maxnreg"),
+                            maxnreg=launch[name].get("maxnreg"),
                         )
                     )
     return out
@@ -646,6 +652,7 @@ def variants(full: bool | None = None) -> list[Variant]:
     import importlib
 
     from smptk import settings
+    from smptk.kernels.heap_layout import OPS
 
     if full is None:
         full = settings.compile_all()
@@ -664,14 +671,14 @@ def variants(full: bool | None = None) -> list[Variant]:
     coll_params = {
         name: list(inspect.signature(getattr(collectives, name).fn).parameters) for name in _COLL_KERNELS
     }
+    coll_launch = {name: getattr(getattr(collectives, name), "launch_options", {}) for name in _COLL_KERNELS}
     specs = list(gemm.specializations(full=full))
+    specs += importlib.import_module("smptk.kernels._gemm_comm").specializations(full=full)  # all-gather GEMM
     out = []
     for arch in ARCHS:
         out += _gemm_variants(arch, specs, full)
         out += _elementwise_variants(arch, blocks, full)
-        out += _collective_variants(
-            arch, collectives.BLOCK, collectives.OPS, coll_params, collectives.LAUNCH_OPTIONS
-        )
+        out += _collective_variants(arch, collectives.BLOCK, OPS, coll_params, coll_launch)
         out += _route_variants(arch, dict(moe_route._FWD_BLOCKS), moe_route.SCORE_FUNCS, full)
         out += _dispatch_variants(
             arch,

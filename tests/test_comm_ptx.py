@@ -12,7 +12,8 @@ with the kernels' own launch options), and its PTX and ``ptxas -v`` must show:
   piece of each of PEERS + 1 ranks (9 loads; the loops for 2, 4 and 8 ranks add more). A kernel whose
   addresses the compiler cannot prove aligned has none (before the vector path: 0 in every variant, each
   element moved by an ``ld.global.b16`` / ``.b32``).
-- ``test_no_spills``: ptxas spills 0 bytes.
+- ``test_no_spills``: ptxas spills 0 bytes; also for the one-program signal kernel of the copy-engine
+  collectives (``_signal_kernel``, which moves no data), on sm_90 and sm_80.
 
 Scalar accesses remain, and are reported in the failure texts: the masked last tile of every range, the
 path for unaligned offsets, and the 32/64-bit control words of the barrier protocol.
@@ -35,15 +36,14 @@ import _compile_kernels as ck
 
 from smptk.kernels import collectives
 
-# The kernels that move data (another kernel of the module, a signal-only one, moves none).
+# The kernels that move data (another kernel of the module, the signal-only one, moves none).
 COPIES = ("_all_gather_kernel", "_all_to_all_kernel")
 REDUCTIONS = ("_all_reduce_one_shot_kernel", "_all_reduce_two_shot_kernel", "_reduce_scatter_kernel")
 DTYPES = ("fp32", "bf16", "fp16", "i32")
-VARIANTS = {
-    v.id: v
-    for v in ck.variants()
-    if v.kernel.startswith(ck._COLL) and v.kernel_name in COPIES + REDUCTIONS and v.arch == 90
-}
+_COLLECTIVES = [v for v in ck.variants() if v.kernel.startswith(ck._COLL)]
+VARIANTS = {v.id: v for v in _COLLECTIVES if v.kernel_name in COPIES + REDUCTIONS and v.arch == 90}
+SIGNAL = {v.id: v for v in _COLLECTIVES if v.kernel_name == "_signal_kernel"}  # sm_90 and sm_80
+CHECKED = {**VARIANTS, **SIGNAL}
 
 
 def _loads_in_flight(kernel: str) -> int:
@@ -60,6 +60,7 @@ def test_every_kernel_and_dtype_is_checked() -> None:
     seen = {(v.kernel_name, v.dtype) for v in VARIANTS.values()}
     missing = {(k, d) for k in COPIES + REDUCTIONS for d in DTYPES} - seen
     assert not missing, f"no sm_90 compile variant for {sorted(missing)}"
+    assert {v.arch for v in SIGNAL.values()} == {80, 90}, f"signal kernel variants: {sorted(SIGNAL)}"
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +72,13 @@ def compile_results(request: pytest.FixtureRequest) -> dict[str, dict]:
         if item.module is request.module and hasattr(item, "callspec")
     }
     try:
-        return ck.compile_variants([vid for vid in VARIANTS if vid in selected])
+        return ck.compile_variants([vid for vid in CHECKED if vid in selected])
     except ck.CompilerUnavailable as e:
         pytest.skip(f"cannot compile for CUDA targets here: {e}")
 
 
 def _compiled(compile_results: dict[str, dict], variant_id: str) -> dict:
-    variant = VARIANTS[variant_id]
+    variant = CHECKED[variant_id]
     r = compile_results.get(variant_id)
     assert r is not None, f"{variant_id}: no result came back from the compile workers"
     if not r["ok"]:
@@ -107,12 +108,12 @@ def test_data_path_is_128_bit(compile_results: dict[str, dict], variant_id: str)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant_id", list(VARIANTS))
+@pytest.mark.parametrize("variant_id", list(CHECKED))
 def test_no_spills(compile_results: dict[str, dict], variant_id: str) -> None:
     r = _compiled(compile_results, variant_id)
     if r["spill_stores"] or r["spill_loads"]:
         pytest.fail(
             f"{variant_id} spills {r['spill_stores']} B stores, {r['spill_loads']} B loads "
-            f"({_facts(r)})\n{VARIANTS[variant_id].describe()}",
+            f"({_facts(r)})\n{CHECKED[variant_id].describe()}",
             pytrace=False,
         )
