@@ -1,7 +1,8 @@
 """The multi-rank side of ``tests/test_moe_ep.py``: expert-parallel MoE on W gloo ranks vs one device.
 
 Every rank builds the same full set of weights from one seed, an expert-parallel layer
-(``ep_group`` = the world) holding its E / W experts, and a single-device layer holding all E. Each rank
+(``ep_group`` = the world: its expert weights are DTensors ``Shard(0)`` on a 1-D mesh over the group,
+each rank holding E / W experts), and a single-device layer holding all E. Each rank
 feeds its own tokens to both and compares:
 
 - the output (the same kernels run the same rows, so only row order inside an expert differs);
@@ -48,8 +49,8 @@ def _pair(world: int, rank: int, group: dist.ProcessGroup, **options) -> tuple[M
     lo = rank * (E // world)
     with torch.no_grad():
         ep.router_weight.copy_(full.router_weight)
-        for name in ("w_gate", "w_up", "w_down"):
-            getattr(ep, name).copy_(getattr(full, name)[lo : lo + E // world])
+        for name in ("w_gate", "w_up", "w_down"):  # DTensors Shard(0) on the ep mesh: this rank's experts
+            getattr(ep, name).to_local().copy_(getattr(full, name)[lo : lo + E // world])
         for name in ("shared_gate", "shared_up", "shared_down"):
             if hasattr(full, name):
                 getattr(ep, name).copy_(getattr(full, name))
@@ -94,10 +95,10 @@ def run_case(world: int, rank: int, name: str, options: dict) -> list[str]:
     for wname in ("w_gate", "w_up", "w_down"):
         total = getattr(full, wname).grad.clone()
         dist.all_reduce(total)  # every rank's tokens reach this rank's experts
-        _compare(problems, f"d{wname}", getattr(ep, wname).grad, total[lo : lo + E // world])
+        _compare(problems, f"d{wname}", getattr(ep, wname).grad.to_local(), total[lo : lo + E // world])
     if skew and rank != 0:
         for wname in ("w_gate", "w_up", "w_down"):
-            grad = getattr(ep, wname).grad
+            grad = getattr(ep, wname).grad.to_local()
             if not torch.equal(grad, torch.zeros_like(grad)):
                 problems.append(f"d{wname}: experts that received no tokens got a nonzero gradient")
     return [f"{name} (rank {rank}): {p}" for p in problems]

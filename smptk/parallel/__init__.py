@@ -14,8 +14,20 @@ DESIGN.md, "Public surface"); what is here today:
   :class:`SmptkColwiseParallel`, :class:`SmptkRowwiseParallel`, :class:`SmptkVocabParallel` for
   ``parallelize_module`` (:mod:`smptk.parallel.tp_styles`); :func:`vocab_parallel_cross_entropy`
   (:mod:`smptk.parallel.loss`) on vocab-sharded logits.
+- Sharded data parallelism (:mod:`smptk.parallel.fsdp`): :func:`apply_data_parallel` applies FSDP2 over the
+  ``(dp_replicate, dp_shard)`` mesh (full shard, HSDP) or DDP with smptk's comm hook (replication), with the
+  config's mixed precision and smptk's all-gather / reduce-scatter where its heap applies; the
+  :class:`DataParallelReport` says which path each collective took.
+- Checkpoints that reshard (:mod:`smptk.parallel.dcp`, on ``torch.distributed.checkpoint``):
+  :func:`save_checkpoint` / :func:`load_checkpoint` move model and optimizer state between any two
+  configs (and one process); :func:`load_full_state_dict` broadcasts a full state dict held by rank 0;
+  :func:`get_full_state_dict` gathers one.
 - :class:`MoE`: router + SwiGLU experts (+ shared experts), one device or expert-parallel over a process
   group, on smptk's MoE kernels and ``smptk.comm.all_to_all_single``.
+- Expert parallelism as DTensors (:mod:`smptk.parallel.expert_parallel`): the ParallelStyle
+  :class:`ExpertParallel` splits a MoE's :class:`GroupedExperts` weights ``Shard(0)`` over the ``ep`` mesh
+  and exchanges its rows; :func:`apply_expert_parallel` does it for every MoE of a model and makes each
+  experts module an FSDP2 unit over ``(dp_replicate, edp_shard)``.
 """
 
 from smptk.parallel.config import (
@@ -26,13 +38,20 @@ from smptk.parallel.config import (
     is_initialized,
     reset,
 )
+from smptk.parallel.dcp import get_full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from smptk.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
+from smptk.parallel.fsdp import DataParallelReport, DataParallelUnit, apply_data_parallel
 from smptk.parallel.loss import vocab_parallel_cross_entropy
-from smptk.parallel.moe import MoE
+from smptk.parallel.moe import GroupedExperts, MoE
 from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
 
 __all__ = [
     "ColumnParallelLinear",
+    "DataParallelReport",
+    "DataParallelUnit",
+    "ExpertParallel",
+    "GroupedExperts",
     "MoE",
     "ParallelConfig",
     "ParallelState",
@@ -41,9 +60,15 @@ __all__ = [
     "SmptkRowwiseParallel",
     "SmptkVocabParallel",
     "VocabParallelEmbedding",
+    "apply_data_parallel",
+    "apply_expert_parallel",
     "current",
+    "get_full_state_dict",
     "init",
     "is_initialized",
+    "load_checkpoint",
+    "load_full_state_dict",
     "reset",
+    "save_checkpoint",
     "vocab_parallel_cross_entropy",
 ]

@@ -12,21 +12,35 @@ Forward, one device::
     yg        = grouped_linear(h, w_down, offsets)             [rows, H]
     y_TH      = moe_combine(yg, plan, weights_Tk) (+ shared experts' SwiGLU MLP of x)
 
-Expert parallel (``ep_group`` of R ranks; rank r owns experts ``r * E_l .. (r + 1) * E_l - 1``). The
-grouped buffer is ordered by expert id, so the rows for rank r are one contiguous block:
+Expert parallel. The experts live in the submodule ``moe.experts`` (:class:`GroupedExperts`: local compute
+only, weights ``[E, F, H]`` / ``[E, H, F]``). :class:`smptk.parallel.ExpertParallel` (a ParallelStyle, see
+:mod:`smptk.parallel.expert_parallel`) makes those weights DTensors ``Shard(0)`` on a 1-D ``ep`` mesh of R
+ranks (rank r owns experts ``r * E_l .. (r + 1) * E_l - 1``) and wraps ``moe.experts`` in the token
+exchange: the grouped buffer is ordered by expert id, so the rows for rank r are one contiguous block,
+and
 
 1. every rank's per-expert row counts ``[E]`` go through ``smptk.comm.all_gather_into_tensor``, so every
    rank holds the whole ``[R, E]`` count matrix; its one host read (the forward's only host sync) gives
-   the split sizes (all_to_all_single takes Python lists, as torch.distributed does) and the largest
-   split of any rank, which every rank passes as ``agreed_max_split`` so the all-to-alls need no
-   exchange of their own;
-2. the rows go through ``smptk.comm.all_to_all_single`` with those uneven splits; they arrive ordered
+   the split sizes and the largest split of any rank, which every rank passes as ``agreed_max_split`` so
+   the all-to-alls need no exchange of their own;
+2. the rows go through ``smptk.comm.functional.all_to_all`` with those uneven splits; they arrive ordered
    (source rank, local expert) and are permuted to (local expert, source rank) for the grouped GEMMs;
 3. the expert outputs are permuted back and return by the inverse all-to-all; combine runs locally.
 
 Per forward: one host sync and three collectives (the counts, the rows out, the rows back); backward:
 two all-to-alls and no host sync (an all-to-all's gradient is the all-to-all with the splits swapped). A
-rank that receives no rows runs its experts on an empty buffer (zero weight gradients).
+rank that receives no rows runs its experts on an empty buffer (zero weight gradients). ``MoE(...,
+ep_group=g)`` or ``MoE(..., ep_mesh=m)`` applies the same style at construction.
+
+Side effects and activation checkpointing. The forward sets :attr:`aux_loss`, :attr:`last_routing`,
+:attr:`last_plan` and adds this call's routed pairs to the buffer ``tokens_per_expert``, except when it
+runs inside autograd's backward pass: that is a checkpoint recompute (``torch.utils.checkpoint``, reentrant
+or not, and every wrapper built on it), which repeats the forward to rebuild activations, and counting
+its tokens again would double the load that :meth:`MoE.update_expert_bias` balances. The test is the
+autograd engine's current graph task (``torch._C._current_graph_task_id() != -1``: what torch's own
+checkpoint uses to tell the two apart); the one cost is that a MoE forward that a user runs on purpose
+inside a backward hook is not counted either. Call :meth:`MoE.update_expert_bias` after backward (with
+the optimizer step), so a recompute routes with the bias the forward used.
 
 Losses: ``aux_loss`` after each forward holds ``aux_loss_coef * load-balancing loss + z_loss_coef *
 router z-loss`` of this rank's tokens (Switch Transformer's and ST-MoE's definitions, see
@@ -50,12 +64,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from smptk import comm
 from smptk.kernels import fused_linear, swiglu
 from smptk.kernels.grouped_linear import grouped_linear, grouped_swiglu
 from smptk.kernels.moe_dispatch import MoEDispatchPlan, moe_combine, moe_dispatch
 from smptk.kernels.moe_route import moe_route
+from smptk.parallel.shard_init import fill_shard, local
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -64,33 +80,84 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def expert_major_order(counts_RE: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Permutation from (source rank, expert) row order to (expert, source rank) order, and the offsets.
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as three stacked weights, computed by one grouped launch each (local compute only).
 
-    ``counts_RE[s, e]``: rows source s sent for local expert e, laid out source-major in the receive
-    buffer. Returns ``(index [total] int64, offsets [E_l + 1] int64)`` with ``received[index]`` grouped
-    by expert (sources in rank order within an expert) and expert e's rows at ``offsets[e]:offsets[e+1]``.
-    ``total`` is ``counts_RE.sum()``, known on the host (passing it avoids a device sync).
+    ``w_gate``, ``w_up``: ``[E, F, H]``; ``w_down``: ``[E, H, F]``; plain parameters, or DTensors
+    ``Shard(0)`` on a 1-D ``ep`` mesh after :class:`smptk.parallel.ExpertParallel` (this rank then holds
+    ``E / R`` experts and the style exchanges the rows around :meth:`forward`). The forward reads only
+    the local shards (``to_local()``), so FSDP2 can shard these weights further over the data-parallel
+    ranks left to the experts: its forward hook gives back the ``Shard(0)`` DTensors on the ``ep`` mesh.
 
-    Example::
-
-        >>> index, offsets = expert_major_order(torch.tensor([[2, 1], [0, 3]]), 6)
-        >>> index.tolist(), offsets.tolist()     # received rows: s0e0 s0e0 s0e1 s1e1 s1e1 s1e1
-        ([0, 1, 2, 3, 4, 5], [0, 2, 6])
-        >>> expert_major_order(torch.tensor([[1, 1], [1, 1]]), 4)[0].tolist()
-        [0, 2, 1, 3]
+    Args:
+        num_experts: E. hidden_size: H. ffn_hidden_size: F. device, dtype: of the parameters.
     """
-    counts = counts_RE.to(torch.int64)
-    flat = counts.reshape(-1)
-    start_RE = (torch.cumsum(flat, 0) - flat).view_as(counts)  # receive offset of block (s, e)
-    lens = counts.t().reshape(-1)  # blocks in (e, s) order
-    starts = start_RE.t().reshape(-1)
-    dst_start = torch.cumsum(lens, 0) - lens  # where each block starts in expert-major order
-    shift = torch.repeat_interleave(starts - dst_start, lens, output_size=total)
-    index = shift + torch.arange(total, device=counts.device, dtype=torch.int64)
-    offsets = torch.zeros(counts.shape[1] + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts.sum(0), 0, out=offsets[1:])
-    return index, offsets
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        E, F_, H = num_experts, ffn_hidden_size, hidden_size
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = E, H, F_
+        self.w_gate = nn.Parameter(torch.empty(E, F_, H, **factory))
+        self.w_up = nn.Parameter(torch.empty(E, F_, H, **factory))
+        self.w_down = nn.Parameter(torch.empty(E, H, F_, **factory))
+        self.ep_mesh: DeviceMesh | None = None  # set by ExpertParallel
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts whose weights this rank holds (E without expert parallelism)."""
+        return self.num_experts // (self.ep_mesh.size() if self.ep_mesh is not None else 1)
+
+    def reset_parameters(self) -> None:
+        """Each weight uniform in +-1/sqrt(fan_in) (nn.Linear's bound), drawn whole from torch's default
+        generator in the order w_gate, w_up, w_down; a sharded weight keeps its slice, so any R gives the
+        unsharded layer's values."""
+        for name in ("w_gate", "w_up", "w_down"):
+            w = getattr(self, name)
+            if not local(w).is_meta:
+                bound = 1.0 / math.sqrt(w.shape[-1])
+                fill_shard(w, _uniform(bound), torch.default_generator)
+
+    def forward(self, x_grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x_grouped [rows, H]`` grouped by the experts this rank holds, ``counts [E_held]`` their rows
+        -> ``[rows, H]``: ``down(silu(x @ gate.T) * (x @ up.T))`` per expert."""
+        w_gate, w_up, w_down = (local(w) for w in (self.w_gate, self.w_up, self.w_down))
+        if counts.dim() != 1 or counts.numel() != w_gate.shape[0]:
+            why = (
+                " (the weights are sharded over ep: the rows must go through ExpertParallel's exchange)"
+                if isinstance(self.w_gate, DTensor)
+                else ""
+            )
+            raise ValueError(
+                f"counts: expected [{w_gate.shape[0]}] rows per held expert, got {tuple(counts.shape)}{why}"
+            )
+        offsets = counts.new_zeros(counts.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts.to(torch.int64), 0, out=offsets[1:])
+        h = grouped_swiglu(x_grouped, w_gate, w_up, offsets)
+        return grouped_linear(h, w_down, offsets)
+
+    def extra_repr(self) -> str:
+        text = f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, ffn={self.ffn_hidden_size}"
+        if self.ep_mesh is not None:
+            text += f", ep_size={self.ep_mesh.size()}, local_experts={self.num_local_experts}"
+        return text
+
+
+def _uniform(bound: float):
+    return lambda block, gen: nn.init.uniform_(block, -bound, bound, generator=gen)
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread: a checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class MoE(nn.Module):
@@ -112,14 +179,21 @@ class MoE(nn.Module):
             ``ceil(capacity_factor * T * k / E)`` of this rank's (token, slot) pairs, earliest first.
         expert_bias: keep a per-expert selection bias (aux-loss-free balancing); see
             :meth:`update_expert_bias`.
-        ep_group: expert-parallel process group (None: every expert on this device). Each rank holds
-            ``E / R`` experts and its own tokens.
+        ep_mesh: 1-D DeviceMesh to split the experts over (None: every expert on this device): applies
+            :class:`smptk.parallel.ExpertParallel` at construction, so each rank holds ``E / R`` experts
+            (the slices of the weights the unsharded layer draws from the same seed) and its own tokens.
+        ep_group: the same as a process group (kept from before meshes; made into a 1-D mesh with
+            ``DeviceMesh.from_group``); give at most one of the two.
         device, dtype: of the parameters.
+
+    Parameters: ``router_weight [E, H]`` and the shared experts' on this module, the routed experts'
+    in :attr:`experts` (:class:`GroupedExperts`; ``moe.w_gate`` etc. read them there).
 
     Attributes after a forward: ``aux_loss`` (0-d fp32, differentiable; zero when both coefficients
     are 0), ``last_routing`` (the :class:`~smptk.kernels.moe_route.MoERouting`) and ``last_plan``
     (the :class:`~smptk.kernels.moe_dispatch.MoEDispatchPlan`, e.g. ``num_dropped``). The buffer
     ``tokens_per_expert`` [E] accumulates routed pairs per expert until :meth:`update_expert_bias`.
+    A checkpoint recompute changes none of these (see the module docstring).
 
     On the ``meta`` device (delayed initialization) forward and backward propagate shapes; with a
     capacity the grouped buffer takes its bound ``min(T * k, E * C)`` rows (see :func:`moe_dispatch`).
@@ -147,6 +221,7 @@ class MoE(nn.Module):
         z_loss_coef: float = 0.0,
         capacity_factor: float | None = None,
         expert_bias: bool = False,
+        ep_mesh: DeviceMesh | None = None,
         ep_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -174,30 +249,21 @@ class MoE(nn.Module):
             raise ValueError(
                 f"capacity_factor: expected None or a finite number > 0, got {capacity_factor!r}"
             )
-        ep_size, ep_rank = 1, 0
         if ep_group is not None:
-            if not dist.is_initialized():
-                raise RuntimeError("ep_group: torch.distributed is not initialized")
-            ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-            if ep_rank < 0:
-                raise ValueError("ep_group: this rank is not a member of the group")
-        if num_experts % ep_size:
-            raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel group's size {ep_size}"
-            )
+            if ep_mesh is not None:
+                raise ValueError("ep_group, ep_mesh: give at most one (ep_group becomes a 1-D mesh)")
+            ep_mesh = _mesh_from_group(ep_group, device)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.renormalize = score_func, renormalize
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.capacity_factor = capacity_factor
-        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
-        self.num_local_experts = num_experts // ep_size
         factory = {"device": device, "dtype": dtype}
-        E_l, F_, H = self.num_local_experts, ffn_hidden_size, hidden_size
+        H = hidden_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, H, **factory))
-        self.w_gate = nn.Parameter(torch.empty(E_l, F_, H, **factory))
-        self.w_up = nn.Parameter(torch.empty(E_l, F_, H, **factory))
-        self.w_down = nn.Parameter(torch.empty(E_l, H, F_, **factory))
+        # built on meta when it is split at once: only the local shards are ever allocated
+        expert_device = "meta" if ep_mesh is not None else device
+        self.experts = GroupedExperts(num_experts, H, ffn_hidden_size, device=expert_device, dtype=dtype)
         self.num_shared_experts = num_shared_experts
         if num_shared_experts:
             width = num_shared_experts * (shared_ffn_hidden_size or ffn_hidden_size)
@@ -212,7 +278,39 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_routing = None
         self.last_plan: MoEDispatchPlan | None = None
+        if ep_mesh is not None:
+            from smptk.parallel.expert_parallel import shard_experts
+
+            shard_experts(self.experts, ep_mesh, src_data_rank=None, device=_shard_device(ep_mesh, device))
         self.reset_parameters()
+
+    # The routed experts' weights and layout, read from :attr:`experts` (these were MoE attributes before
+    # the experts became a submodule of their own).
+    w_gate = property(lambda self: self.experts.w_gate, doc="Routed experts' gate weights ``[E, F, H]``.")
+    w_up = property(lambda self: self.experts.w_up, doc="Routed experts' up weights ``[E, F, H]``.")
+    w_down = property(lambda self: self.experts.w_down, doc="Routed experts' down weights ``[E, H, F]``.")
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh the experts are split over (None: all on this device)."""
+        return self.experts.ep_mesh
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel process group (None without expert parallelism)."""
+        return self.ep_mesh.get_group() if self.ep_mesh is not None else None
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep_mesh.size() if self.ep_mesh is not None else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_mesh.get_local_rank() if self.ep_mesh is not None else 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.experts.num_local_experts
 
     @property
     def local_expert_ids(self) -> range:
@@ -228,7 +326,8 @@ class MoE(nn.Module):
         directly, for the same random state.
         """
         nn.init.normal_(self.router_weight, std=0.02)
-        for name in ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"):
+        self.experts.reset_parameters()
+        for name in ("shared_gate", "shared_up", "shared_down"):
             w = getattr(self, name, None)
             if w is not None:
                 bound = 1.0 / math.sqrt(w.shape[-1])
@@ -255,40 +354,16 @@ class MoE(nn.Module):
         x_grouped, plan = moe_dispatch(
             x_TH, routing.expert_ids, self.num_experts, capacity_factor=self.capacity_factor
         )
-        if self.ep_group is None:
-            y_grouped = self._experts(x_grouped, plan.offsets)
-        else:
-            y_grouped = self._experts_parallel(x_grouped, plan)
+        y_grouped = self.experts(x_grouped, plan.tokens_per_expert)
         y_TH = moe_combine(y_grouped, plan, routing.weights)
         if self.num_shared_experts:
             y_TH = y_TH + fused_linear(swiglu(x_TH, self.shared_gate, self.shared_up), self.shared_down)
-        aux = routing.aux_loss * self.aux_loss_coef + routing.z_loss * self.z_loss_coef
-        self.aux_loss, self.last_routing, self.last_plan = aux, routing, plan
-        with torch.no_grad():
-            self.tokens_per_expert += routing.tokens_per_expert
+        if not _in_backward():  # a checkpoint recompute leaves the statistics of its forward alone
+            aux = routing.aux_loss * self.aux_loss_coef + routing.z_loss * self.z_loss_coef
+            self.aux_loss, self.last_routing, self.last_plan = aux, routing, plan
+            with torch.no_grad():
+                self.tokens_per_expert += routing.tokens_per_expert
         return y_TH.view(x.shape)
-
-    def _experts(self, x_grouped: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        h = grouped_swiglu(x_grouped, self.w_gate, self.w_up, offsets)
-        return grouped_linear(h, self.w_down, offsets)
-
-    def _experts_parallel(self, x_grouped: torch.Tensor, plan: MoEDispatchPlan) -> torch.Tensor:
-        R, E_l, g = self.ep_size, self.num_local_experts, self.ep_group
-        me = dist.get_rank(g)
-        send_counts = plan.tokens_per_expert.to(torch.int32)
-        every_RE = send_counts.new_empty(R, self.num_experts)  # [s, r * E_l + e]: rows s sends r's expert e
-        comm.all_gather_into_tensor(every_RE, send_counts, group=g)
-        counts = every_RE.view(R, R, E_l).sum(dim=2).tolist()  # the one host sync: [s][r] rows s sends r
-        send = counts[me]
-        recv = [counts[s][me] for s in range(R)]
-        peak = max(max(row) for row in counts)  # the same on every rank: no split exchange in the all-to-alls
-        # rows ordered (source rank, local expert); the backward sends the gradients back, also without a sync
-        x_recv = comm.functional.all_to_all(x_grouped, g, recv, send, agreed_max_split=peak)
-        recv_counts = every_RE[:, me * E_l : (me + 1) * E_l]
-        index, offsets = expert_major_order(recv_counts, sum(recv))
-        y_local = self._experts(x_recv.index_select(0, index), offsets)
-        y_recv = y_local.new_empty(y_local.shape).index_copy(0, index, y_local)
-        return comm.functional.all_to_all(y_recv, g, send, recv, agreed_max_split=peak)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -328,3 +403,29 @@ class MoE(nn.Module):
         if self.ep_group is not None:
             parts.append(f"ep_size={self.ep_size}, local_experts={list(self.local_expert_ids)}")
         return ", ".join(parts)
+
+
+def _mesh_from_group(group: dist.ProcessGroup, device: torch.device | str | None) -> DeviceMesh:
+    """A 1-D ``ep`` DeviceMesh over ``group`` (CUDA for an NCCL group or CUDA ``device``, else CPU)."""
+    if not dist.is_initialized():
+        raise RuntimeError("ep_group: torch.distributed is not initialized")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"ep_group: expected a ProcessGroup, got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError("ep_group: this rank is not a member of the group")
+    kind = torch.device(device).type if device is not None else None
+    if kind in (None, "meta"):
+        kind = "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
+    return DeviceMesh.from_group(group, kind, mesh_dim_names=("ep",))
+
+
+def _shard_device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
+    """Where a layer split at construction allocates its expert shards: ``device``, else meta under a
+    ``torch.device("meta")`` context, else the mesh's device (the current CUDA device for a CUDA mesh)."""
+    if device is not None:
+        return torch.device(device)
+    if torch.get_default_device().type == "meta":
+        return torch.device("meta")
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
