@@ -111,7 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if mode.note:
         print(f"bench: {mode.note}", file=term)
 
-    pytest_argv = [str(BENCH_DIR), f"--rootdir={ROOT}", "-p", "no:cacheprovider"]
+    # Benchmarks never run under pytest-xdist (pytest-benchmark turns itself off there): without the plugin,
+    # a bench started from an xdist test worker (the suite's end-to-end tests) measures as it does alone.
+    pytest_argv = [str(BENCH_DIR), f"--rootdir={ROOT}", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        os.environ.pop(name, None)  # what pytest-benchmark reads as "under xdist"
     if args.filter:
         pytest_argv += ["-k", args.filter]
     pytest_argv += pytest_args

@@ -19,9 +19,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# An xdist worker's PYTEST_XDIST_* variables would reach the processes tests start (the benchmark runs of
+# the end-to-end tests), where pytest-benchmark reads PYTEST_XDIST_WORKER as "under xdist" and turns itself
+# off. Those processes are not xdist workers: drop the variables (xdist itself keeps its own state).
+for _name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+    os.environ.pop(_name, None)
 
 # Imported after TRITON_INTERPRET is set, on purpose (helpers itself never imports smptk.kernels).
-from helpers import CUDA_SKIP_REASON, HAS_CUDA
+from helpers import CUDA_SKIP_REASON, HAS_CUDA  # noqa: E402
 
 # Under pytest-xdist (``make test`` uses it where installed: ``-n 2 --dist loadgroup``), the modules that
 # start processes (multi-rank jobs through tests/comm_harness.py, torchrun) run on one worker, one job at a
