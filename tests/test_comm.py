@@ -223,6 +223,15 @@ def world1(tmp_path, fresh_settings):
 needs_interpreter = pytest.mark.skipif(not runtime.interpreter_enabled(), reason=NO_INTERPRETER_REASON)
 
 
+def test_fallback_all_gather_takes_a_stacked_output(world1) -> None:
+    """float64 takes torch's path; its output may be ``[world, *input.shape]``, as on the heap path."""
+    x = torch.arange(6, dtype=torch.float64).view(2, 3)
+    out = torch.full((1, 2, 3), float("nan"), dtype=torch.float64)
+    comm.all_gather_into_tensor(out, x)
+    assert comm.last_path() == "torch.distributed:gloo"
+    assert torch.equal(out[0], x)
+
+
 def test_settings_defaults(fresh_settings) -> None:
     assert comm.settings() == DEFAULTS
 

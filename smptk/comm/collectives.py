@@ -564,7 +564,8 @@ def all_gather_into_tensor(
     copy_engine = _copy_algorithm(algorithm)
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype):
-        dist.all_gather_into_tensor(output, input, group=g)
+        # flat views: gloo takes only a [world * d0, ...] output, the heap path any shape of that size
+        dist.all_gather_into_tensor(output.view(-1), input.reshape(-1), group=g)
         _fallback(g)
         return output
     src, dst = input.view(-1), output.view(-1)
