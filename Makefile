@@ -20,10 +20,11 @@ $(STAMP_DEV): pyproject.toml scripts/bootstrap.py
 	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras dev
 	touch $@
 
-## test: the whole test suite (CPU: kernels under the Triton interpreter; GPU: real shapes too), over
-## TEST_WORKERS pytest-xdist workers where it is installed (tests/conftest.py keeps the multi-process jobs on
-## one worker); TEST_WORKERS=0 runs in one process
-TEST_WORKERS ?= 2
+## test: the whole test suite (CPU: kernels under the Triton interpreter; GPU: real shapes too). TEST_WORKERS=N
+## spreads it over N pytest-xdist workers where xdist is installed (tests/conftest.py keeps the multi-process
+## jobs on one worker); the default, 0, runs in one process: on 2 cores, two workers oversubscribed the
+## machine and the multi-rank jobs ran past their deadlines
+TEST_WORKERS ?= 0
 test: $(STAMP_TEST)
 	$(VPY) -m pytest $$($(VPY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] \
 	    && echo "-n $(TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)

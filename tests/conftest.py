@@ -28,7 +28,7 @@ for _name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_
 # Imported after TRITON_INTERPRET is set, on purpose (helpers itself never imports smptk.kernels).
 from helpers import CUDA_SKIP_REASON, HAS_CUDA  # noqa: E402
 
-# Under pytest-xdist (``make test`` uses it where installed: ``-n 2 --dist loadgroup``), the modules that
+# Under pytest-xdist (``make test TEST_WORKERS=2``: ``-n 2 --dist loadgroup``), the modules that
 # start processes (multi-rank jobs through tests/comm_harness.py, torchrun) run on one worker, one job at a
 # time, as they would without xdist: two jobs at once would oversubscribe the cores and could see each
 # other's /dev/shm entries in the leak check. The GEMM compile check compiles in its own worker processes
