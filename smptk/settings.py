@@ -193,6 +193,8 @@ _TABLE = (
     Variable("SMPTK_BENCH_RUN_ID", "text", None, "benchmarks: this run's id (python -m bench sets it)"),
     Variable("SMPTK_BENCH_COMM_DIST_TIMEOUT_S", "number", None, "benchmarks: time limit of the torchrun "
              "comm suite (default by mode)", positive=True),
+    Variable("SMPTK_BENCH_TP_DIST_TIMEOUT_S", "number", None, "benchmarks: time limit of the torchrun "
+             "tensor-parallel suite (default by mode)", positive=True),
     Variable("SMPTK_GPU_CHECK", "path", None, "bench/gpu_check.py: the JSON a gpu-check run passes to its "
              "child pytest processes (log file, deadline); set by the parent"),
     Variable("SMPTK_TORCH_SPEC", "text", None, "make: the torch requirement the venv installs (default "
@@ -312,6 +314,11 @@ def bench_run_id() -> str | None:
 def bench_comm_dist_timeout_s() -> float | None:
     """``SMPTK_BENCH_COMM_DIST_TIMEOUT_S``: seconds, > 0; None means the mode's default."""
     return _read("SMPTK_BENCH_COMM_DIST_TIMEOUT_S")
+
+
+def bench_tp_dist_timeout_s() -> float | None:
+    """``SMPTK_BENCH_TP_DIST_TIMEOUT_S``: seconds, > 0; None means the mode's default."""
+    return _read("SMPTK_BENCH_TP_DIST_TIMEOUT_S")
 
 
 def gpu_check() -> str | None:

@@ -154,6 +154,7 @@ ACCESSORS = [
     (settings.bench_jsonl, "SMPTK_BENCH_JSONL", None, ("rows.jsonl", "rows.jsonl"), None),
     (settings.bench_run_id, "SMPTK_BENCH_RUN_ID", None, ("r1", "r1"), None),
     (settings.bench_comm_dist_timeout_s, "SMPTK_BENCH_COMM_DIST_TIMEOUT_S", None, ("60", 60.0), "-5"),
+    (settings.bench_tp_dist_timeout_s, "SMPTK_BENCH_TP_DIST_TIMEOUT_S", None, ("90", 90.0), "-1"),
     (settings.gpu_check, "SMPTK_GPU_CHECK", None, ('{"log": "x"}', '{"log": "x"}'), None),
     (settings.torch_spec, "SMPTK_TORCH_SPEC", None, ("torch==2.13.0", "torch==2.13.0"), None),
     (settings.triton_interpret, "TRITON_INTERPRET", False, ("Y", True), None),
