@@ -5,8 +5,12 @@ Subcommands:
 - ``smptk info``: versions, GPUs, git state, which kernel path will run and the value of every
   ``SMPTK_*`` setting (:mod:`smptk.settings`), as readable text.
 - ``smptk info --json``: the same as one JSON object (:func:`smptk._env.collect_environment`).
+- ``smptk plan``: will a model fit, and which parallel configuration to use
+  (:mod:`smptk.parallel.planner.report`): the per-GPU memory breakdown and ranked configurations, or
+  ``--config`` to evaluate one; ``--json`` for programs.
 
-Plain text only (no rich needed), so it prints the same in a terminal, a CI log or a bug report.
+``info`` prints plain text only (no rich needed), so it prints the same in a terminal, a CI log or a bug
+report; ``plan`` draws its tables with rich where it is installed.
 
 Example::
 
@@ -136,6 +140,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info", help="versions, GPUs, git state and which kernel path will run")
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    from smptk.parallel.planner.report import add_arguments
+
+    plan = sub.add_parser(
+        "plan",
+        help="per-GPU memory and recommended parallel configurations for a model on a cluster",
+        description="Estimate per-GPU memory and rank parallel configurations (smptk.parallel.planner).",
+    )
+    add_arguments(plan)
     return parser
 
 
@@ -163,5 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(format_info(env))
         return 0
+    if args.command == "plan":
+        from smptk.parallel.planner.report import run
+
+        return run(args)
     parser.error(f"unknown command {args.command!r}")  # argparse already rejects these; kept for safety
     return 2

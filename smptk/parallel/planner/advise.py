@@ -1,0 +1,474 @@
+"""Ranked parallel configurations for a model on a cluster: :func:`advise` and the step-time model.
+
+**Search.** Every combination of tensor-parallel degree (powers of two up to the GPUs of one node that
+divide the heads, key-value heads and MLP width), ``hybrid_shard_degree`` (1 = replicate, each divisor of
+the data-parallel size, and full sharding), expert-parallel degree (MoE models: divisors of the sharding
+group and of the expert count), activation checkpointing (none, selective, full, full with offloading)
+and micro-batch (1, 2, 4, 8, 16 sequences) is estimated with :func:`~smptk.parallel.planner.
+estimate_memory`. Gradient accumulation fills the global batch: ``global_batch_tokens`` when given,
+else one micro-batch per rank.
+
+**Rules**, each rejection carrying its reason:
+
+1. it must fit: ``total_bytes`` within the GPU's memory less 0.5 GiB of CUDA context;
+2. the global batch (``dp x micro_batch x seq_len x accumulation``) stays at or under 4M tokens
+   (4 * 2**20): beyond it, large-batch training loses sample efficiency, and more data parallelism
+   cannot help; that is when tensor parallelism earns its communication;
+3. tensor parallelism only when needed: if some ``tp = 1`` configuration passes 1 and 2 and the sequence
+   is shorter than 8192 tokens, configurations with ``tp > 1`` are rejected (FSDP does not shard
+   activations, so long sequences are where TP's activation split pays);
+4. the smallest sharding degree that fits: for the same tp, ep, checkpointing and micro-batch, only the
+   smallest ``dp_shard`` that fits is kept (less sharding keeps the collectives inside fewer, closer
+   ranks).
+
+The survivors are ranked by predicted step time per token (fastest first).
+
+**Step time** (:func:`step_time`): compute is the step's hardware FLOPs (``6 N_active`` per token for
+the matrix products, incl. the LM head, plus ``6 s d_attn`` per token per layer for causal attention;
+recomputation adds one forward of each block under "full", the attention core under "selective") over
+the GPU's peak bf16 rate times ``compute_efficiency`` (default 0.6: an assumption, not a measurement;
+Llama 3 reports 38-43% MFU at scale on H100, Dubey et al. 2024, Table 4). Communication uses an
+alpha-beta model per collective: ``alpha`` (per-hop latency) times the hops of a ring, plus bytes over
+the link bandwidth, where the link is NVLink when the group fits in one node and the node's network
+share per GPU otherwise. Data-parallel collectives (FSDP2's all-gathers in forward and backward, its
+reduce-scatter, HSDP's all-reduce across replicas, DDP's all-reduce) overlap compute (FSDP2 prefetches
+the next unit, DDP reduces buckets during backward): only what exceeds the compute time is exposed.
+Tensor- and expert-parallel collectives (per layer: with sequence parallelism two all-gathers and two
+reduce-scatters of ``[T, h]`` forward and again backward; per MoE layer two all-to-alls each way) are
+counted as exposed; smptk's fused TP linears hide part of them, not modeled here. Offloading moves each
+block's input over PCIe (assumed 25 GB/s per GPU), overlapped with compute. MFU is the model's FLOPs
+(no recomputation) over step time, GPUs and peak.
+
+Example::
+
+    >>> from smptk.parallel.planner import advise
+    >>> adv = advise("llama2-7b", "p4d.24xlarge", nodes=2, seq_len=4096)
+    >>> best = adv.best
+    >>> best.config.tensor_parallel_degree, best.fits
+    (1, True)
+    >>> 0 < best.mfu < 1
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from smptk.parallel.config import ParallelConfig
+from smptk.parallel.planner.clusters import CLUSTERS, Cluster
+from smptk.parallel.planner.clusters import cluster as _cluster
+from smptk.parallel.planner.estimate import MemoryEstimate, estimate_memory
+from smptk.parallel.planner.models import ModelSpec, model_spec
+
+MAX_GLOBAL_BATCH_TOKENS = 4 * 2**20
+LONG_SEQUENCE = 8192
+CUDA_CONTEXT_BYTES = 2**29
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+CHECKPOINTING = (("none", False), ("selective", False), ("full", False), ("full", True))
+PCIE_BYTES_PER_S = 25e9
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by part; ``exposed_s`` is what the step waits for."""
+
+    compute_s: float
+    dp_comm_s: float
+    tp_comm_s: float
+    ep_comm_s: float
+    offload_s: float
+    step_s: float
+    model_flops: float
+    mfu: float
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step_s:.2f} s (compute {self.compute_s:.2f}, "
+            f"dp comm {self.dp_comm_s:.2f} overlapped, "
+            f"tp {self.tp_comm_s:.2f} + ep {self.ep_comm_s:.2f} exposed), MFU {self.mfu:.0%}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration: the config, micro-batch and accumulation, its memory and step time, and why it
+    was kept or rejected."""
+
+    config: ParallelConfig
+    micro_batch: int
+    grad_accum: int
+    global_batch_tokens: int
+    estimate: MemoryEstimate
+    time: StepTime | None
+    fits: bool
+    reason: str
+
+    @property
+    def mfu(self) -> float:
+        return self.time.mfu if self.time else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_batch_tokens / self.time.step_s if self.time else 0.0
+
+    def label(self) -> str:
+        c = self.config
+        ac = c.activation_checkpointing + ("+offload" if c.sm_activation_offloading else "")
+        hsd = {0: "full", 1: "replicate"}.get(c.hybrid_shard_degree, f"hsdp {c.hybrid_shard_degree}")
+        ep = f" ep {c.expert_parallel_degree}" if c.expert_parallel_degree > 1 else ""
+        return (
+            f"tp {c.tensor_parallel_degree} shard {hsd}{ep} ac {ac} mb {self.micro_batch} x{self.grad_accum}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "config": {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None},
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "global_batch_tokens": self.global_batch_tokens,
+            "memory_bytes": self.estimate.total_bytes,
+            "fits": self.fits,
+            "step_s": self.time.step_s if self.time else None,
+            "mfu": self.mfu if self.time else None,
+            "tokens_per_s": self.tokens_per_s if self.time else None,
+            "reason": self.reason,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """:attr:`candidates` ranked (fastest first), :attr:`rejected` with reasons, and when nothing fits,
+    :attr:`suggestions` of what would."""
+
+    model: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    candidates: tuple[Candidate, ...]
+    rejected: tuple[Candidate, ...]
+    suggestions: tuple[str, ...]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+    def summary(self, top: int = 5) -> str:
+        head = f"{self.model.describe()}\n{self.cluster.describe()}, seq_len {self.seq_len}"
+        if not self.candidates:
+            return head + "\nnothing fits:\n" + "\n".join(f"- {s}" for s in self.suggestions)
+        lines = [head]
+        for i, c in enumerate(self.candidates[:top], 1):
+            lines.append(
+                f"{i}. {c.label()}: {c.estimate.total_bytes / 2**30:.1f} GiB, {c.time.describe()}; {c.reason}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self, top: int = 10) -> dict:
+        return {
+            "model": self.model.name,
+            "cluster": self.cluster.name,
+            "nodes": self.cluster.nodes,
+            "seq_len": self.seq_len,
+            "candidates": [c.to_dict() for c in self.candidates[:top]],
+            "rejected_count": len(self.rejected),
+            "rejected_examples": [c.to_dict() for c in self.rejected[:top]],
+            "suggestions": list(self.suggestions),
+        }
+
+
+def _ring(n: int, nbytes: float, bw: float, alpha: float) -> float:
+    """Seconds of a ring all-gather / reduce-scatter of ``nbytes`` (the full array) over n ranks."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + nbytes * (n - 1) / n / bw
+
+
+def _link(span: int, cl: Cluster) -> tuple[float, float]:
+    """(bytes/s, alpha seconds) for a group spanning ``span`` consecutive ranks."""
+    if span <= cl.gpus_per_node:
+        return cl.intra_node_gbps * 1e9, cl.intra_latency_us * 1e-6
+    return cl.inter_node_bytes_per_gpu, cl.inter_latency_us * 1e-6
+
+
+def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token without recomputation: ``6 N_active`` (minus the embedding lookup, plus a
+    tied head's product) and causal attention ``6 s d_attn`` per layer (``d_attn``: heads x q/k width,
+    halved for causality, plus heads x v width, halved)."""
+    n = spec.num_parameters(active=True) - spec.vocab_size * spec.hidden_size * (
+        0 if spec.tie_word_embeddings else 1
+    )
+    attn = 3 * spec.num_layers * seq_len * spec.num_heads * (spec.q_head_dim + spec.v_dim)
+    return 6 * n + attn
+
+
+def step_time(
+    model: Any,
+    config: ParallelConfig | Mapping | None,
+    cluster: str | Cluster | Mapping,
+    *,
+    seq_len: int,
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    compute_efficiency: float = 0.6,
+) -> StepTime:
+    """Predicted time of one step (``grad_accum`` micro-batches of ``micro_batch`` sequences per
+    data-parallel rank); see the module docstring for the model and its assumptions."""
+    spec, cl = model_spec(model), _cluster(cluster)
+    cfg = ParallelConfig.from_any(config if config is not None else {})
+    sz = cfg.validate(cl.world_size)
+    if not 0 < compute_efficiency <= 1:
+        raise ValueError(f"compute_efficiency: expected a fraction in (0, 1], got {compute_efficiency}")
+    t, dp, shard, rep, ep = sz["tp"], sz["dp"], sz["dp_shard"], sz["dp_replicate"], sz["ep"]
+    tokens_rank = micro_batch * seq_len * grad_accum  # per data-parallel rank per step
+    mflops_tok = model_flops_per_token(spec, seq_len)
+    L = spec.num_layers
+    attn_core = 3 * L * seq_len * spec.num_heads * (spec.q_head_dim + spec.v_dim) / 3  # one forward
+    block_fwd = (mflops_tok - 6 * spec.vocab_size * spec.hidden_size) / 3  # blocks' forward per token
+    recompute = {"none": 0.0, "selective": attn_core, "full": block_fwd}[cfg.activation_checkpointing]
+    hw_flops_gpu = tokens_rank * (mflops_tok + recompute) / t
+    peak = cl.gpu.bf16_tflops * 1e12
+    compute = hw_flops_gpu / (peak * compute_efficiency)
+
+    B = 2 if cfg.mixed_precision != "fp32" else 4
+    from smptk.parallel.planner.estimate import local_numel
+
+    local_unsharded = local_numel(spec, sz, fsdp=False)  # this tp / ep rank's parameters
+    bw, alpha = _link(shard * t, cl)
+    dp_comm = 0.0
+    if shard > 1:  # FSDP2: all-gather forward and backward, reduce-scatter (fp32) per micro-batch
+        per_mb = 2 * _ring(shard, local_unsharded * B, bw, alpha) + _ring(
+            shard, local_unsharded * 4, bw, alpha
+        )
+        dp_comm += grad_accum * per_mb
+    if rep > 1:  # all-reduce across replicas (HSDP: the shards; DDP: everything), fp32, once per step
+        rbw, ralpha = _link(
+            dp * t, cl
+        )  # a replica group strides over the shard groups: it spans dp * t ranks
+        nbytes = local_unsharded * 4 / shard
+        dp_comm += 2 * _ring(rep, nbytes, rbw, ralpha)
+    tp_comm = 0.0
+    if t > 1:
+        tbw, talpha = _link(t, cl)
+        act = micro_batch * seq_len * spec.hidden_size * B
+        tp_comm = grad_accum * L * 8 * _ring(t, act, tbw, talpha)
+    ep_comm = 0.0
+    if ep > 1:
+        ebw, ealpha = _link(ep * t, cl)
+        rows = micro_batch * seq_len * spec.experts_per_token * spec.hidden_size * B
+        ep_comm = grad_accum * spec.num_moe_layers * 4 * ((ep - 1) * ealpha + rows * (ep - 1) / ep / ebw)
+    offload = 0.0
+    if cfg.sm_activation_offloading:
+        per_rank = micro_batch * seq_len * spec.hidden_size * B / (t if t > 1 else 1)
+        offload = grad_accum * L * 2 * per_rank / PCIE_BYTES_PER_S
+    exposed_dp = max(0.0, dp_comm - compute)
+    exposed_off = max(0.0, offload - compute)
+    step = compute + tp_comm + ep_comm + exposed_dp + exposed_off
+    model_flops = tokens_rank * dp * mflops_tok
+    mfu = model_flops / (step * cl.world_size * peak)
+    return StepTime(compute, dp_comm, tp_comm, ep_comm, offload, step, model_flops, mfu)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_options(spec: ModelSpec, cl: Cluster) -> list[int]:
+    out, t = [], 1
+    while t <= cl.gpus_per_node and cl.world_size % t == 0:
+        need = [spec.num_heads, spec.intermediate_size] + ([] if spec.is_mla else [spec.num_kv_heads])
+        if all(v % t == 0 for v in need):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def advise(
+    model: Any,
+    cluster: str | Cluster | Mapping,
+    *,
+    seq_len: int,
+    global_batch_tokens: int | None = None,
+    nodes: int | None = None,
+    optimizer: str = "adamw",
+    attention: str = "flash",
+    mixed_precision: str = "bf16",
+    compute_efficiency: float = 0.6,
+    suggest: bool = True,
+) -> Advice:
+    """Ranked configurations for ``model`` on ``cluster`` at ``seq_len`` (see the module docstring).
+
+    ``global_batch_tokens``: the batch the run wants (accumulation fills it; it must be reachable
+    within the 4M-token limit); None: one micro-batch per data-parallel rank per step. ``nodes``
+    overrides the cluster's node count. When nothing fits, :attr:`Advice.suggestions` says what would.
+    """
+    spec = model_spec(model)
+    cl = _cluster(cluster, nodes)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
+    if global_batch_tokens is not None and (
+        not isinstance(global_batch_tokens, int) or global_batch_tokens < seq_len
+    ):
+        raise ValueError(
+            f"global_batch_tokens: expected an int >= seq_len ({seq_len}), got {global_batch_tokens!r}"
+        )
+    memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
+    kept, rejected = [], []
+    for t in _tp_options(spec, cl):
+        dp = cl.world_size // t
+        for hsd in _divisors(dp):
+            hsd_key = 0 if hsd == dp and dp > 1 else hsd
+            eps = (
+                [e for e in _divisors(hsd) if spec.is_moe and spec.num_experts % e == 0]
+                if spec.is_moe
+                else [1]
+            )
+            for ep, (ac, off), mb in itertools.product(eps, CHECKPOINTING, MICRO_BATCHES):
+                if t > 1 and seq_len % t:
+                    continue
+                cfg = ParallelConfig(
+                    tensor_parallel_degree=t, hybrid_shard_degree=hsd_key, expert_parallel_degree=ep,
+                    activation_checkpointing=ac, sm_activation_offloading=off,
+                    mixed_precision=mixed_precision,
+                )  # fmt: skip
+                est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
+                                      optimizer=optimizer, attention=attention)  # fmt: skip
+                per_step = dp * mb * seq_len
+                accum = 1 if global_batch_tokens is None else max(1, round(global_batch_tokens / per_step))
+                gbt = per_step * accum
+                fits = est.total_bytes <= memory
+                if not fits:
+                    reason = f"does not fit: {est.total_bytes / 2**30:.1f} GiB of {memory / 2**30:.1f} GiB"
+                    rejected.append(Candidate(cfg, mb, accum, gbt, est, None, False, reason))
+                    continue
+                if gbt > MAX_GLOBAL_BATCH_TOKENS:
+                    reason = (
+                        f"global batch {gbt:,} tokens exceeds 4M ({dp} dp ranks x {mb} x {seq_len} x {accum})"
+                    )
+                    rejected.append(Candidate(cfg, mb, accum, gbt, est, None, True, reason))
+                    continue
+                if (
+                    global_batch_tokens is not None
+                    and abs(gbt - global_batch_tokens) > 0.25 * global_batch_tokens
+                ):
+                    reason = f"global batch {gbt:,} tokens misses the asked {global_batch_tokens:,} by > 25%"
+                    rejected.append(Candidate(cfg, mb, accum, gbt, est, None, True, reason))
+                    continue
+                tm = step_time(spec, cfg, cl, seq_len=seq_len, micro_batch=mb, grad_accum=accum,
+                               compute_efficiency=compute_efficiency)  # fmt: skip
+                kept.append(Candidate(cfg, mb, accum, gbt, est, tm, True, ""))
+    # Rule 3: tensor parallelism only when needed.
+    if seq_len < LONG_SEQUENCE and any(c.config.tensor_parallel_degree == 1 for c in kept):
+        survivors = []
+        for c in kept:
+            if c.config.tensor_parallel_degree > 1:
+                rejected.append(
+                    dataclasses.replace(c, reason="TP not needed: a tp 1 configuration fits the batch limit")
+                )
+            else:
+                survivors.append(c)
+        kept = survivors
+    # Rule 4: the smallest sharding degree that fits, per (tp, ep, checkpointing, micro-batch).
+    smallest: dict[tuple, int] = {}
+    for c in kept:
+        key = _shape_key(c)
+        smallest[key] = min(smallest.get(key, 1 << 30), c.estimate.sizes["dp_shard"])
+    survivors = []
+    for c in kept:
+        k = smallest[_shape_key(c)]
+        if c.estimate.sizes["dp_shard"] > k:
+            rejected.append(dataclasses.replace(c, reason=f"a smaller sharding degree fits (dp_shard {k})"))
+        else:
+            survivors.append(c)
+    survivors.sort(key=lambda c: (c.time.step_s / c.global_batch_tokens, c.estimate.total_bytes))
+    ranked = []
+    for i, c in enumerate(survivors):
+        why = _why(c, i == 0, seq_len)
+        ranked.append(dataclasses.replace(c, reason=why))
+    suggestions = (
+        _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected)
+        if (suggest and not ranked)
+        else ()
+    )
+    return Advice(spec, cl, seq_len, tuple(ranked), tuple(rejected), tuple(suggestions))
+
+
+def _shape_key(c: Candidate) -> tuple:
+    cfg = c.config
+    return (cfg.tensor_parallel_degree, cfg.expert_parallel_degree, cfg.activation_checkpointing,
+            cfg.sm_activation_offloading, c.micro_batch)  # fmt: skip
+
+
+def _why(c: Candidate, first: bool, seq_len: int) -> str:
+    sz = c.estimate.sizes
+    parts = ["fastest predicted" if first else "fits"]
+    parts.append(f"smallest sharding that fits at this shape (dp_shard {sz['dp_shard']})")
+    if sz["tp"] > 1:
+        parts.append(
+            f"tp {sz['tp']}: long sequence ({seq_len})"
+            if seq_len >= LONG_SEQUENCE
+            else f"tp {sz['tp']}: needed to fit"
+        )
+    ac = c.config.activation_checkpointing
+    if ac != "none":
+        parts.append(
+            f"{ac} checkpointing" + (" + offload" if c.config.sm_activation_offloading else "") + " to fit"
+        )
+    parts.append(f"global batch {c.global_batch_tokens:,} tokens")
+    return "; ".join(parts)
+
+
+def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision) -> int | None:
+    """The smallest estimate over the search (every configuration, micro-batch 1)."""
+    best = None
+    for t in _tp_options(spec, cl):
+        if t > 1 and seq_len % t:
+            continue
+        eps = [e for e in _divisors(cl.world_size // t) if spec.num_experts % e == 0] if spec.is_moe else [1]
+        for ep in eps:
+            cfg = ParallelConfig(
+                tensor_parallel_degree=t, expert_parallel_degree=ep, activation_checkpointing="full",
+                sm_activation_offloading=True, mixed_precision=mixed_precision,
+            )  # fmt: skip
+            try:
+                est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=1, cluster=cl,
+                                      optimizer=optimizer, attention=attention)  # fmt: skip
+            except ValueError:
+                continue
+            best = est.total_bytes if best is None else min(best, est.total_bytes)
+    return best
+
+
+def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected) -> list[str]:
+    out = []
+    memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
+    least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision)
+    if least is not None:
+        out.append(
+            f"the smallest configuration (full sharding, the largest tp, full checkpointing + offloading, "
+            f"micro-batch 1) needs {least / 2**30:.1f} GiB per GPU; {memory / 2**30:.1f} GiB are available"
+        )
+    if rejected and all(c.fits for c in rejected):
+        out.append(
+            f"every configuration that fits exceeds the 4M-token global batch: use a shorter sequence, "
+            f"fewer nodes, or more tensor parallelism than {cl.gpus_per_node} GPUs per node allow"
+        )
+    for n in (2, 4, 8, 16, 32, 64):
+        bigger = cl.with_nodes(cl.nodes * n)
+        m = _min_total(spec, bigger, seq_len, optimizer, attention, mixed_precision)
+        if m is not None and m <= memory:
+            out.append(
+                f"{bigger.nodes} nodes ({bigger.world_size} GPUs) would fit: {m / 2**30:.1f} GiB per GPU"
+            )
+            break
+    for name, other in CLUSTERS.items():
+        if other.gpu.memory_bytes <= cl.gpu.memory_bytes:
+            continue
+        o = other.with_nodes(max(1, cl.world_size // other.gpus_per_node))
+        m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision)
+        if m is not None and m <= other.gpu.memory_bytes - CUDA_CONTEXT_BYTES:
+            out.append(
+                f"a larger GPU: {o.nodes} x {name} ({other.gpu.name}) would fit: {m / 2**30:.1f} GiB per GPU"
+            )
+    return out

@@ -1,0 +1,589 @@
+"""Per-GPU memory of a training step: :func:`estimate_memory` and its :class:`MemoryEstimate`.
+
+Legend: ``b`` micro-batch (sequences per data-parallel rank), ``s`` sequence length, ``T = b*s`` tokens,
+``h`` hidden, ``a`` / ``g`` query / key-value heads of ``d``, ``f`` MLP width, ``V`` vocabulary, ``t`` the
+tensor-parallel degree (``a_t = a/t``, ``g_t = g/t``, ``f_t = f/t``, ``V_t = V/t``), ``T_r`` the tokens a
+rank holds between the tensor-parallel regions (``T/t`` with sequence parallelism, else ``T``), ``B`` the
+compute dtype's bytes (2 for bf16 / fp16, 4 for fp32). Bytes are those of the busiest rank (rank 0).
+
+**Model states**, divided as smptk divides them (:meth:`ModelSpec.tensors` says which split each tensor
+takes): column / row-parallel weights and the vocabulary over ``tp``, norms and routers replicated over
+``tp``, routed experts over ``ep`` (replicated over ``tp``); then FSDP2 shards every tensor's dim 0 over
+``dp_shard`` (experts over ``edp_shard``), padding it to a multiple of the shard count as FSDP2 does (rank
+0 holds ``ceil(dim0 / shard)`` rows); HSDP replicas (``dp_replicate``) hold copies. Under FSDP2 mixed
+precision (``MixedPrecisionPolicy(bf16, reduce fp32)``, :mod:`smptk.parallel.fsdp`) the sharded parameters
+stay fp32 (4 bytes: they are the master weights), their gradients are fp32 (4) and Adam keeps two fp32
+moments (8): 16 bytes per sharded parameter. The bf16 copies the usual "20 bytes per parameter" counts
+(bf16 parameter 2 + bf16 gradient 2) exist only for the FSDP2 unit being computed and are transient
+below. ``hybrid_shard_degree=1`` with fp32 and no TP runs DDP: full fp32 parameters, gradients, Adam
+moments, and DDP's gradient buckets (a second copy of the gradients, 4 bytes per parameter). Other
+optimizers: ``"sgd"`` 0 bytes of state, ``"sgd_momentum"`` 4, ``"adamw"`` / ``"adam"`` 8.
+
+**Activations** are what autograd keeps from forward to backward in smptk's reference transformer
+(:mod:`smptk.testing.transformer`: RMSNorm, GQA attention with RoPE, SwiGLU, parallelized with smptk's
+layers), term by term per block (no checkpointing):
+
+- each RMSNorm its input and fp32 rstd: ``2 (T_r h B + 4 T_r)``;
+- the inputs of the column-parallel projections: one replicated ``T h B`` shared by q / k / v and one
+  by gate / up; with sequence parallelism every column layer keeps its own all-gathered ``T h B``
+  (3 for q / k / v, 2 for gate / up: smptk's column layers save the gathered input, they do not
+  gather it again in backward);
+- attention, ``"flash"`` (``F.scaled_dot_product_attention``'s flash kernels): q, k, v, the output and
+  its fp32 log-sum-exp, ``T d (2 a_t + 2 g_t) B + 4 T a_t``; ``"materialized"`` (softmax(QK^T) V
+  written out): q and k, v expanded to the query heads, and the ``b a_t s^2`` probabilities,
+  ``3 T a_t d B + b a_t s^2 B``; then o_proj's input ``T a_t d B``;
+- SwiGLU: gate and up outputs, silu(gate) and down's input, ``4 T f_t B`` (GELU MLP: ``2 T f_t B``);
+- MoE layers instead: the router's fp32 probabilities ``4 T E``, the dispatched rows ``T k h B`` and,
+  per routed row, the grouped SwiGLU's ``4 f_m B`` and the expert output ``h B`` (balanced routing),
+  plus the shared experts as a dense SwiGLU; MLA attention: the down-projected latents and the
+  attention of ``d_qk = nope + rope``, ``d_v`` heads. These two are derived the same way but are not
+  checked against a reference (smptk's reference transformer has neither).
+
+Outside the blocks: the token ids (``8 T``), the final norm, the LM head's input ``T h B`` and the
+loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and :func:`smptk.parallel.vocab_parallel_cross_entropy`
+both keep it). Checkpointing: ``"full"`` keeps each block's input ``T_r h B`` and recomputes one block at a
+time in backward (that block's activations are transient); ``"selective"`` (:data:`smptk.parallel.
+checkpointing.SAVED_OPS`) keeps the input and the outputs of the matrix products and attention kernels
+(q, k, v, o, gate, up, down, attention output and log-sum-exp). smptk's Triton GEMMs are not dispatcher
+ops, so with them "selective" recomputes the GEMMs too and keeps less than this (the estimate is then an
+upper bound). Offloading moves the checkpointed inputs to pinned host memory and keeps at most
+``activation_loading_horizon`` of them on the GPU; the host bytes are reported (not in the GPU total).
+Korthikanti et al. (2022) count ``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no
+dropout and a SwiGLU MLP, so its terms differ, and they are checked against what autograd really keeps
+(tests/test_planner_validation.py: within 10%).
+
+**Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
+gathered from forward to backward; a block and its prefetched successor), the gathered gradients of one
+unit before its reduce-scatter (compute dtype, then the fp32 reduce-scatter input); the logits
+``T V_t B`` and their fp32 gradient during the loss; one recomputed block under checkpointing; the MoE
+all-to-all send and receive buffers ``2 T k h B``. **smptk's symmetric heaps**: one per group that uses
+them (tp, dp_shard, ep with more than one rank, inside one node), ``SMPTK_COMM_HEAP_BYTES`` (64 MiB) plus
+the control words each. **Allocator margin**: 5% of the allocated bytes (fragmentation in PyTorch's
+caching allocator; the CUDA context, ~0.5 GiB outside the allocator, is left to the fit check of
+:func:`smptk.parallel.planner.advise`).
+
+Example::
+
+    >>> from smptk.parallel.planner import estimate_memory
+    >>> est = estimate_memory("llama2-7b", {"hybrid_shard_degree": 0}, seq_len=4096, micro_batch=1,
+    ...                       cluster="p4d.24xlarge")
+    >>> est.parameter_bytes == est.gradient_bytes == est.optimizer_bytes // 2
+    True
+    >>> round(est.total_bytes / 2**30, 1) < 40
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from smptk.kernels.heap_layout import DATA_OFFSET
+from smptk.parallel.config import ParallelConfig
+from smptk.parallel.planner.clusters import Cluster, cluster as _cluster
+from smptk.parallel.planner.models import ModelSpec, model_spec
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
+ATTENTION = ("flash", "materialized")
+ALLOCATOR_MARGIN = 0.05
+DEFAULT_HEAP_BYTES = 64 * 2**20
+_COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+KINDS = ("parameters", "gradients", "optimizer", "activations", "transient", "comm", "margin")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTerm:
+    """One line of the breakdown: ``bytes`` on the busiest GPU, its ``kind`` (:data:`KINDS`), and how
+    it was counted."""
+
+    name: str
+    bytes: int
+    kind: str
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """The per-GPU bytes of one training step, term by term (see the module docstring)."""
+
+    model: ModelSpec
+    config: ParallelConfig
+    world_size: int
+    sizes: dict
+    seq_len: int
+    micro_batch: int
+    optimizer: str
+    attention: str
+    sequence_parallel: bool
+    engine: str
+    terms: tuple[MemoryTerm, ...]
+    host_bytes: int
+    cluster: Cluster | None = None
+
+    def bytes_of(self, kind: str) -> int:
+        return sum(t.bytes for t in self.terms if t.kind == kind)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.bytes_of("parameters")
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.bytes_of("gradients")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.bytes_of("optimizer")
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.bytes_of("activations")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        return self.cluster.gpu.memory_bytes if self.cluster else None
+
+    def fits(self, memory_bytes: int | None = None, reserve_bytes: int = 2**29) -> bool:
+        """Whether ``total_bytes`` fits in ``memory_bytes`` (default: the cluster's GPU) less
+        ``reserve_bytes`` (the CUDA context, 0.5 GiB)."""
+        memory = memory_bytes if memory_bytes is not None else self.gpu_memory_bytes
+        if memory is None:
+            raise ValueError("fits: no cluster given; pass memory_bytes")
+        return self.total_bytes <= memory - reserve_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model.name,
+            "config": dataclasses.asdict(self.config),
+            "world_size": self.world_size,
+            "sizes": dict(self.sizes),
+            "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch,
+            "optimizer": self.optimizer,
+            "attention": self.attention,
+            "sequence_parallel": self.sequence_parallel,
+            "engine": self.engine,
+            "terms": [dataclasses.asdict(t) for t in self.terms],
+            "total_bytes": self.total_bytes,
+            "host_bytes": self.host_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+        }
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """``(term, kind, GiB, detail)`` per term, then the total."""
+        out = [(t.name, t.kind, f"{t.bytes / 2**30:.2f}", t.detail) for t in self.terms]
+        total = f"{self.total_bytes / 2**30:.2f}"
+        cap = self.gpu_memory_bytes
+        out.append(("total", "", total, f"of {cap / 2**30:.1f} GiB per GPU" if cap else ""))
+        if self.host_bytes:
+            out.append(("host (pinned, offloaded)", "", f"{self.host_bytes / 2**30:.2f}", "not in the total"))
+        return out
+
+    def title(self) -> str:
+        sz = self.sizes
+        return (
+            f"{self.model.name} on {self.world_size} GPUs: tp {sz['tp']} x dp_shard {sz['dp_shard']} x "
+            f"dp_replicate {sz['dp_replicate']}"
+            + (f", ep {sz['ep']}" if sz["ep"] > 1 else "")
+            + f", {self.engine}, seq {self.seq_len} x micro-batch {self.micro_batch}, "
+            f"checkpointing {self.config.activation_checkpointing}"
+            + (
+                f" + offload (horizon {self.config.activation_loading_horizon})"
+                if self.config.sm_activation_offloading
+                else ""
+            )
+        )
+
+    def table(self) -> str:
+        rows = self.rows()
+        widths = [max(len(r[i]) for r in rows + [("term", "kind", "GiB", "how")]) for i in range(4)]
+        line = lambda r: "  ".join(  # noqa: E731
+            (r[i].rjust(widths[i]) if i == 2 else r[i].ljust(widths[i])) for i in range(4)
+        ).rstrip()
+        return "\n".join([self.title(), line(("term", "kind", "GiB", "how"))] + [line(r) for r in rows])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def parallel_config(config: ParallelConfig | Mapping[str, Any] | str | None) -> ParallelConfig:
+    return ParallelConfig.from_any(config if config is not None else {})
+
+
+def estimate_memory(
+    model: Any,
+    config: ParallelConfig | Mapping[str, Any] | str | None = None,
+    *,
+    seq_len: int,
+    micro_batch: int = 1,
+    cluster: str | Cluster | Mapping | None = None,
+    world_size: int | None = None,
+    optimizer: str = "adamw",
+    attention: str = "flash",
+    sequence_parallel: bool = True,
+    heap_bytes: int = DEFAULT_HEAP_BYTES,
+) -> MemoryEstimate:
+    """Per-GPU memory of one training step of ``model`` under ``config``.
+
+    Args:
+        model: a preset name, a :class:`ModelSpec`, a Hugging Face config (object, dict, config.json).
+        config: a :class:`~smptk.parallel.ParallelConfig`, its dict or a JSON path (None: defaults).
+        seq_len, micro_batch: tokens per sequence and sequences per data-parallel rank per step.
+        cluster: a preset name, a :class:`Cluster` or a custom dict; gives the world size (and the
+            memory :meth:`MemoryEstimate.fits` checks). Or ``world_size`` alone.
+        optimizer: one of :data:`OPTIMIZER_STATE_BYTES`.
+        attention: ``"flash"`` or ``"materialized"``.
+        sequence_parallel: the tensor-parallel layers' ``sequence_parallel`` (read when tp > 1).
+        heap_bytes: smptk's symmetric heap per group (``SMPTK_COMM_HEAP_BYTES``).
+    """
+    spec = model_spec(model)
+    cfg = parallel_config(config)
+    cl = _cluster(cluster) if cluster is not None else None
+    if world_size is None:
+        if cl is None:
+            raise ValueError("estimate_memory: pass cluster= or world_size=")
+        world_size = cl.world_size
+    elif cl is not None and cl.world_size != world_size:
+        raise ValueError(f"world_size {world_size} disagrees with the cluster's {cl.world_size} GPUs")
+    sizes = cfg.validate(world_size)
+    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}: expected an int >= 1, got {value!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention: expected one of {', '.join(ATTENTION)}, got {attention!r}")
+    t = sizes["tp"]
+    sp = bool(sequence_parallel) and t > 1
+    _check_model_fits_degrees(spec, sizes, seq_len, sp)
+
+    engine = _engine(cfg, sizes)
+    terms: list[MemoryTerm] = []
+    terms += _model_state_terms(spec, cfg, sizes, engine, optimizer)
+    acts, host, per_block = _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp)
+    terms += acts
+    terms += _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block)
+    terms += _heap_terms(sizes, cl, heap_bytes)
+    allocated = sum(x.bytes for x in terms)
+    terms.append(
+        MemoryTerm(
+            "allocator margin", int(ALLOCATOR_MARGIN * allocated), "margin",
+            f"{ALLOCATOR_MARGIN:.0%} of the allocated bytes (caching-allocator fragmentation)",
+        )
+    )  # fmt: skip
+    return MemoryEstimate(
+        spec, cfg, world_size, dict(sizes), seq_len, micro_batch, optimizer, attention, sp, engine,
+        tuple(terms), host, cl,
+    )  # fmt: skip
+
+
+def _check_model_fits_degrees(spec: ModelSpec, sizes: dict, seq_len: int, sp: bool) -> None:
+    t, ep = sizes["tp"], sizes["ep"]
+    checks = [("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
+    if not spec.is_mla:
+        checks.append(("num_kv_heads", spec.num_kv_heads))
+    if spec.shared_expert_intermediate_size:
+        checks.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
+    for key, value in checks:
+        if value % t:
+            raise ValueError(
+                f"{spec.name}: {key} {value} is not divisible by tensor_parallel_degree {t} (smptk's "
+                "tensor-parallel layers split it evenly)"
+            )
+    if ep > 1 and (not spec.is_moe or spec.num_experts % ep):
+        what = f"num_experts {spec.num_experts}" if spec.is_moe else "a dense model (no experts)"
+        raise ValueError(f"{spec.name}: expert_parallel_degree {ep} needs experts divisible by it; {what}")
+    if sp and seq_len % t:
+        raise ValueError(
+            f"seq_len {seq_len} is not divisible by tensor_parallel_degree {t} (sequence parallelism splits it)"
+        )
+
+
+def _engine(cfg: ParallelConfig, sizes: dict) -> str:
+    if sizes["dp_shard"] == 1 and sizes["dp"] > 1 and sizes["tp"] == 1 and cfg.mixed_precision == "fp32":
+        return "ddp"
+    if sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1:
+        return "fsdp2 hybrid_shard"
+    return "fsdp2 full_shard" if sizes["dp_shard"] > 1 else "fsdp2 (unsharded)"
+
+
+def local_numel(spec: ModelSpec, sizes: dict, *, unit: str | None = None, fsdp: bool = True) -> int:
+    """Parameter elements rank 0 holds: tensor / expert split, then FSDP2's dim-0 shard (padded)."""
+    total = 0
+    for p in spec.tensors():
+        if unit is not None and p.unit != unit:
+            continue
+        total += p.count * _rank0_numel(p.shape, p.split, p.tp_dim, sizes, fsdp)
+    return total
+
+
+def _rank0_numel(shape, split, tp_dim, sizes, fsdp: bool) -> int:
+    shape = list(shape)
+    t = sizes["tp"]
+    if split in ("tp", "vocab"):
+        shape[tp_dim] = -(-shape[tp_dim] // t)  # the vocabulary padded to a multiple of t
+    if split == "experts":
+        shape[0] //= sizes["ep"]
+    if fsdp:
+        shard = sizes["edp_shard"] if split == "experts" else sizes["dp_shard"]
+        shape[0] = -(-shape[0] // shard)
+    return math.prod(shape)
+
+
+def _model_state_terms(spec, cfg, sizes, engine, optimizer) -> list[MemoryTerm]:
+    fsdp = engine != "ddp"
+    n = local_numel(spec, sizes, fsdp=fsdp)
+    shard = f"dp_shard {sizes['dp_shard']}" + (
+        f", experts edp_shard {sizes['edp_shard']}" if spec.is_moe else ""
+    )
+    how = f"{n:,} elements on rank 0 (tp {sizes['tp']}, ep {sizes['ep']}, {shard}"
+    how += ")" if fsdp else ", replicated)"
+    state_bytes = OPTIMIZER_STATE_BYTES[optimizer]
+    terms = [
+        MemoryTerm("parameters (fp32 master)", 4 * n, "parameters", how),
+        MemoryTerm("gradients (fp32)", 4 * n, "gradients", "one per parameter, sharded like it"),
+        MemoryTerm(
+            f"optimizer ({optimizer})", state_bytes * n, "optimizer", f"{state_bytes} bytes per parameter"
+        ),
+    ]
+    if engine == "ddp":
+        terms.append(
+            MemoryTerm("DDP gradient buckets", 4 * n, "gradients", "a bucketed copy of the gradients")
+        )
+    return terms
+
+
+def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, attention, sp, B) -> dict:
+    """Bytes one block keeps, by checkpointing mode: {"none": .., "full": .., "selective": ..}."""
+    t = sizes["tp"]
+    b, s = micro_batch, seq_len
+    T = b * s
+    Tr = T // t if sp else T
+    h = spec.hidden_size
+    a_t = spec.num_heads // t
+    norm = lambda rows: rows * h * B + 4 * rows  # noqa: E731  (input + fp32 rstd)
+    none = 2 * norm(Tr)
+    sel = Tr * h * B  # the checkpointed input
+    # attention
+    if spec.is_mla:
+        dqk, dv = spec.q_head_dim, spec.v_head_dim
+        ql, kvl, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+        none += T * h * B  # the normed input, shared by the two down-projections (replicated)
+        if ql:
+            none += T * ql * B + norm(T) - T * h * B + T * ql * B  # q_a out (norm input) + rstd + q_b input
+            sel += T * ql * B + T * a_t * dqk * B
+        else:
+            sel += T * a_t * dqk * B
+        none += T * (kvl + rope) * B + T * kvl * 4 + T * kvl * B  # kv_a out, rstd, kv_b input
+        sel += T * (kvl + rope) * B + T * a_t * (dqk - rope + dv) * B
+        q_el, kv_el, out_el = a_t * dqk, a_t * (dqk + dv), a_t * dv
+    else:
+        d = spec.head_dim
+        g_t = spec.num_kv_heads // t
+        none += (3 if sp else 1) * T * h * B
+        if spec.qk_norm:
+            none += T * (a_t + g_t) * (d * B + 4)
+        sel += T * (a_t + 2 * g_t) * d * B
+        q_el, kv_el, out_el = a_t * d, 2 * g_t * d, a_t * d
+    if attention == "flash":
+        core = T * (q_el + kv_el + out_el) * B + 4 * T * a_t
+        sel += T * out_el * B + 4 * T * a_t
+    else:
+        k_el = q_el  # k, v expanded to the query heads
+        v_el = out_el
+        core = T * (q_el + k_el + v_el) * B + b * a_t * s * s * B
+        sel += b * a_t * s * s * B + T * out_el * B
+    none += core + T * out_el * B  # + o_proj's input
+    sel += T * h * B  # o_proj's product
+    # MLP
+    if layer_moe:
+        E, k, fm, fs = (
+            spec.num_experts,
+            spec.experts_per_token,
+            spec.moe_intermediate_size,
+            spec.shared_expert_intermediate_size,
+        )
+        rows = T * k
+        mlp_in = T * h * B
+        moe = 4 * T * E + rows * h * B + rows * 4 * fm * B + rows * h * B
+        moe_sel = 4 * T * E + rows * h * B + rows * 2 * fm * B + rows * h * B
+        if fs:  # the shared experts read the same input, whole on every tp rank
+            moe += 4 * T * fs * B
+            moe_sel += 2 * T * fs * B + T * h * B
+        none += mlp_in + moe
+        sel += moe_sel
+    elif spec.mlp == "swiglu":
+        f_t = spec.intermediate_size // t
+        none += (2 if sp else 1) * T * h * B + 4 * T * f_t * B
+        sel += 2 * T * f_t * B + T * h * B
+    else:
+        f_t = spec.intermediate_size // t
+        none += T * h * B + 2 * T * f_t * B
+        sel += T * f_t * B + T * h * B
+    return {"none": none, "full": Tr * h * B, "selective": sel}
+
+
+def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
+    B = _COMPUTE_BYTES[cfg.mixed_precision]
+    t = sizes["tp"]
+    T = micro_batch * seq_len
+    Tr = T // t if sp else T
+    mode = cfg.activation_checkpointing
+    n_moe = spec.num_moe_layers
+    n_dense = spec.num_layers - n_moe
+    dense = _block_bytes(spec, False, sizes, seq_len, micro_batch, attention, sp, B)
+    moe = _block_bytes(spec, True, sizes, seq_len, micro_batch, attention, sp, B) if n_moe else None
+    kept_dense = dense[mode]
+    kept_moe = moe[mode] if moe else 0
+    host = 0
+    terms = []
+    detail = {
+        "none": "everything autograd keeps",
+        "full": "each block's input (full recomputation)",
+        "selective": "block input + GEMM and attention outputs",
+    }[mode]
+    if cfg.sm_activation_offloading:
+        inp = Tr * spec.hidden_size * B
+        horizon = min(cfg.activation_loading_horizon, spec.num_layers)
+        host = spec.num_layers * inp
+        on_gpu = (
+            spec.num_layers * (kept_dense - inp)
+            if not n_moe
+            else n_dense * (kept_dense - inp) + n_moe * (kept_moe - inp)
+        )
+        terms.append(
+            MemoryTerm(
+                "activations: blocks", on_gpu + horizon * inp, "activations",
+                f"{detail}; inputs offloaded, {horizon} on the GPU (activation_loading_horizon)",
+            )
+        )  # fmt: skip
+    else:
+        if n_dense:
+            terms.append(
+                MemoryTerm(
+                    f"activations: {n_dense} dense blocks", n_dense * kept_dense, "activations",
+                    f"{detail}: {kept_dense / 2**20:.1f} MiB per block",
+                )
+            )  # fmt: skip
+        if n_moe:
+            terms.append(
+                MemoryTerm(
+                    f"activations: {n_moe} MoE blocks", n_moe * kept_moe, "activations",
+                    f"{detail}: {kept_moe / 2**20:.1f} MiB per block",
+                )
+            )  # fmt: skip
+    V_t = -(-spec.vocab_size // t)
+    h = spec.hidden_size
+    outside = 8 * T + Tr * h * B + 4 * Tr + T * h * B + 4 * T * V_t
+    terms.append(
+        MemoryTerm(
+            "activations: embedding, final norm, head, loss", outside, "activations",
+            f"token ids, norm input, head input, fp32 softmax [T, V/tp] = {4 * T * V_t / 2**20:.1f} MiB",
+        )
+    )  # fmt: skip
+    per_block = max(dense["none"], moe["none"] if moe else 0)
+    return terms, host, per_block
+
+
+def _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block) -> list[MemoryTerm]:
+    B = _COMPUTE_BYTES[cfg.mixed_precision]
+    terms = []
+    if engine != "ddp":
+        gathered = {k: v for k, v in sizes.items()}
+        unit = max(_layer_local_numel(spec, i, gathered) for i in _layer_kinds(spec))
+        root = local_numel(spec, sizes, unit="root", fsdp=False)
+        cast = sizes["dp_shard"] > 1 or B != 4  # FSDP2 allocates unsharded copies when it gathers or casts
+        if cast:
+            terms.append(
+                MemoryTerm(
+                    "FSDP2 gathered parameters", (root + 2 * unit) * B, "transient",
+                    f"root unit {root:,} + 2 blocks x {unit:,} elements (current + prefetched), {B}-byte",
+                )
+            )  # fmt: skip
+            terms.append(
+                MemoryTerm(
+                    "FSDP2 unsharded gradients", unit * (B + 4), "transient",
+                    "one block's gradients before reduce-scatter, and its fp32 reduce-scatter input",
+                )
+            )  # fmt: skip
+    T = micro_batch * seq_len
+    V_t = -(-spec.vocab_size // sizes["tp"])
+    terms.append(
+        MemoryTerm("logits and their gradient", T * V_t * (B + 4), "transient", "[T, V/tp], dtype + fp32")
+    )
+    if cfg.activation_checkpointing != "none":
+        terms.append(
+            MemoryTerm("recomputed block", per_block, "transient", "one block's activations in backward")
+        )
+    if spec.is_moe:
+        rows = T * spec.experts_per_token
+        terms.append(
+            MemoryTerm(
+                "MoE dispatch buffers", 2 * rows * spec.hidden_size * B, "transient",
+                "routed rows sent and received (balanced routing)",
+            )
+        )  # fmt: skip
+    return terms
+
+
+def _layer_kinds(spec: ModelSpec) -> list[int]:
+    """One layer index of each kind (dense, MoE)."""
+    out = []
+    dense = [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
+    moe = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    return out + dense[:1] + moe[:1]
+
+
+def _layer_local_numel(spec: ModelSpec, i: int, sizes: dict) -> int:
+    """Elements of block ``i`` after tensor / expert splitting (FSDP2 gathers over dp_shard)."""
+    moe = spec.is_moe_layer(i)
+    n_moe = spec.num_moe_layers
+    n_dense = spec.num_layers - n_moe
+    total = 0
+    for p in spec.tensors():
+        if p.unit != "layer":
+            continue
+        if p.name.startswith("moe."):
+            if not moe:
+                continue
+            per = p.count // n_moe
+        elif p.name.startswith("mlp."):
+            if moe:
+                continue
+            per = p.count // n_dense
+        else:
+            per = p.count // spec.num_layers
+        total += per * _rank0_numel(p.shape, p.split, p.tp_dim, sizes, fsdp=False)
+    return total
+
+
+def _heap_terms(sizes: dict, cl: Cluster | None, heap_bytes: int) -> list[MemoryTerm]:
+    per_node = cl.gpus_per_node if cl else None
+    groups = []
+    # tp innermost: a tp group spans tp ranks; dp_shard spans dp_shard * tp; ep spans ep * tp.
+    for dim, span in (
+        ("tp", sizes["tp"]),
+        ("dp_shard", sizes["dp_shard"] * sizes["tp"]),
+        ("ep", sizes["ep"] * sizes["tp"]),
+    ):
+        if sizes[dim] > 1 and (per_node is None or span <= per_node):
+            groups.append(dim)
+    if not groups:
+        return []
+    seg = heap_bytes + DATA_OFFSET
+    return [
+        MemoryTerm(
+            "smptk symmetric heaps", len(groups) * seg, "comm",
+            f"{len(groups)} group(s) inside a node ({', '.join(groups)}), {heap_bytes / 2**20:.0f} MiB + control each",
+        )
+    ]  # fmt: skip

@@ -1,0 +1,152 @@
+"""``smptk plan``: the memory breakdown and the recommended configurations, as tables or JSON.
+
+Tables go through ``rich`` where it is installed (the ``test`` / ``dev`` extras have it) and as aligned
+plain text otherwise, so the command works on any machine. ``--json`` prints one object for programs.
+
+Examples::
+
+    $ smptk plan --model llama2-70b --instance p4d.24xlarge --nodes 32 --seq-len 4096
+    $ smptk plan --model llama3.1-8b --instance p5.48xlarge --seq-len 8192 \\
+          --config '{"tensor_parallel_degree": 2, "activation_checkpointing": "selective"}' --micro-batch 2
+    $ smptk plan --model ./my_model/config.json --instance cluster.json --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from smptk.parallel.planner.advise import Advice, advise, step_time
+from smptk.parallel.planner.clusters import CLUSTERS, cluster
+from smptk.parallel.planner.estimate import ATTENTION, OPTIMIZER_STATE_BYTES, MemoryEstimate, estimate_memory
+from smptk.parallel.planner.models import PRESETS, model_spec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a HF config.json path")
+    p.add_argument(
+        "--instance",
+        required=True,
+        help=f"a cluster preset ({', '.join(CLUSTERS)}) or a JSON file of a custom cluster",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the instance (default 1)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument(
+        "--global-batch-tokens", type=int, help="the global batch to reach (accumulation fills it)"
+    )
+    p.add_argument("--config", help="evaluate this ParallelConfig (a JSON file or an inline JSON object)")
+    p.add_argument("--micro-batch", type=int, default=1, help="with --config: sequences per rank (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="with --config: micro-batches per step")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
+    p.add_argument("--attention", default="flash", choices=ATTENTION)
+    p.add_argument("--top", type=int, default=5, help="recommendations to print (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _load_config(text: str) -> Any:
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config: not valid JSON: {e}") from None
+    if not os.path.exists(text):
+        raise ValueError(f"--config: {text!r} is neither a JSON object nor a file")
+    return text
+
+
+def _load_cluster(text: str, nodes: int):
+    if os.path.exists(text) and text.endswith(".json"):
+        with open(text) as f:
+            return cluster(json.load(f), nodes)
+    return cluster(text, nodes)
+
+
+def _table(
+    title: str, header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> str:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        fmt = lambda r: "  ".join(
+            str(r[i]).rjust(widths[i]) if i in right else str(r[i]).ljust(widths[i]) for i in range(len(r))
+        ).rstrip()
+        return "\n".join([title, fmt(header), *(fmt(r) for r in rows)])
+    table = Table(title=title, title_justify="left")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="right" if i in right else "left", overflow="fold")
+    for r in rows:
+        table.add_row(*(str(x) for x in r))
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(table)
+    return console.export_text().rstrip()
+
+
+def breakdown_table(est: MemoryEstimate) -> str:
+    return _table(est.title(), ("term", "kind", "GiB", "how"), est.rows(), right=(2,))
+
+
+def advice_table(adv: Advice, top: int) -> str:
+    rows = []
+    for i, c in enumerate(adv.candidates[:top], 1):
+        rows.append(
+            (
+                str(i), c.label(), f"{c.estimate.total_bytes / 2**30:.1f}", f"{c.time.step_s:.2f}",
+                f"{c.mfu:.0%}", f"{c.tokens_per_s:,.0f}", c.reason,
+            )
+        )  # fmt: skip
+    header = ("#", "configuration", "GiB/GPU", "step s", "MFU", "tokens/s", "why")
+    return _table("recommended configurations (fastest predicted first)", header, rows, right=(0, 2, 3, 4, 5))
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    """``smptk plan`` with parsed ``args``; returns the exit status (2 for bad input, with the reason)."""
+    out = out or sys.stdout
+    try:
+        spec = model_spec(args.model)
+        cl = _load_cluster(args.instance, args.nodes)
+        if args.config is not None:
+            cfg = _load_config(args.config)
+            est = estimate_memory(
+                spec, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cluster=cl,
+                optimizer=args.optimizer, attention=args.attention,
+            )  # fmt: skip
+            tm = step_time(spec, est.config, cl, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                           grad_accum=args.grad_accum)  # fmt: skip
+            fits = est.fits()
+            if args.json:
+                doc = {**est.to_dict(), "fits": fits, "step": tm.__dict__}
+                print(json.dumps(doc, indent=2), file=out)
+                return 0
+            print(spec.describe(), file=out)
+            print(cl.describe(), file=out)
+            print(breakdown_table(est), file=out)
+            verdict = "fits" if fits else "does NOT fit"
+            print(f"{verdict} in {cl.gpu.memory_bytes / 2**30:.1f} GiB (less 0.5 GiB CUDA context)", file=out)
+            print(f"predicted {tm.describe()}", file=out)
+            return 0
+        adv = advise(
+            spec, cl, seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens,
+            optimizer=args.optimizer, attention=args.attention,
+        )  # fmt: skip
+    except (ValueError, TypeError, NotImplementedError, OSError) as e:
+        print(f"smptk plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(adv.to_dict(top=args.top), indent=2), file=out)
+        return 0
+    print(spec.describe(), file=out)
+    print(f"{cl.describe()}, seq_len {args.seq_len}", file=out)
+    if not adv.candidates:
+        print("nothing fits:", file=out)
+        for s in adv.suggestions:
+            print(f"- {s}", file=out)
+        return 0
+    print(advice_table(adv, args.top), file=out)
+    print(breakdown_table(adv.best.estimate), file=out)
+    return 0
