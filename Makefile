@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 .PHONY: test bench gpu-check lint format info clean
 
 $(STAMP_TEST): pyproject.toml scripts/bootstrap.py
-	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras test --optional-extras parallel-tests
+	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras test --optional-extras parallel-tests,planner-tests
 	touch $@
 
 $(STAMP_DEV): pyproject.toml scripts/bootstrap.py

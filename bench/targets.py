@@ -293,6 +293,15 @@ TP_FUSED = {**TP_PAIR, "impl": "smptk_fused", "path": "fused", "comm_max_sms": 8
 # kernels, its peers' data in the same GPU's memory): the issue's own form of the target, and the one a
 # one-GPU machine can measure.
 TP_SIM = {**{k: v for k, v in TP_PAIR.items() if k != "suite"}, "suite": "tp_sim"}
+PLANNER = {"suite": "planner", "op": "train_step_memory"}
+MEMORY_ERROR_PCT = Metric(
+    "%",
+    lambda r, b: _num(r, "memory_error_pct"),
+    lambda r: (
+        f"{r.get('config')}: measured {_num(r, 'measured_bytes') or 0:.4g} B, "
+        f"predicted {_num(r, 'predicted_bytes') or 0:.4g} B"
+    ),
+)
 
 TARGETS: tuple[Target, ...] = (
     Target(
@@ -512,6 +521,17 @@ TARGETS: tuple[Target, ...] = (
         1.15,
         baseline={"impl": "torch_sequential", "comm_max_sms": None},
         bench_ids=("test_tp_sim",),
+    ),
+    Target(
+        "planner.memory_error_1b",
+        12,
+        "a ~1B Llama-shaped model's training step on one GPU (bf16 FSDP2, AdamW; no, selective and full "
+        "checkpointing): |estimate_memory - torch.cuda.max_memory_allocated| / measured, the worst case",
+        PLANNER,
+        MEMORY_ERROR_PCT,
+        "<=",
+        10.0,
+        bench_ids=("test_planner_memory",),
     ),
     Target(
         "tp.fused_pair_vs_async_tp",

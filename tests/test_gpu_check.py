@@ -62,7 +62,7 @@ def judge(target_id: str, rows: list[dict], gpu_count: int | None = 1) -> T.Resu
 def test_targets_table_is_well_formed() -> None:
     ids = [t.id for t in T.TARGETS]
     assert len(ids) == len(set(ids))
-    assert {t.issue for t in T.TARGETS} == {3, 4, 9, 10, 11}
+    assert {t.issue for t in T.TARGETS} == {3, 4, 9, 10, 11, 12}
     for t in T.TARGETS:
         assert t.op in (">=", "<=") and t.description and t.threshold_text.startswith(t.op)
 
@@ -82,6 +82,23 @@ def test_met_and_not_met_from_the_rows_ratios() -> None:
     # The baseline must be the same case: an eager row of another shape does not count.
     other = [rows[0], linear("torch_eager", 1.2e-3) | {"shape": {"M": 4096, "K": 4096, "N": 14336}}]
     assert judge("linear.gelu_fwd_vs_eager", other).status == "not measured"
+
+
+def test_planner_memory_error_takes_the_worst_case() -> None:
+    """The planner's target reads each case's own error (no baseline row); the largest error decides."""
+
+    def planner(config: str, error: float) -> dict:
+        fields = {"suite": "planner", "op": "train_step_memory"}
+        return row(
+            "reference_transformer", 1.0, **fields, config=config, memory_error_pct=error,
+            measured_bytes=1e10, predicted_bytes=1e10 * (1 + error / 100), test_id=f"synthetic::{config}",
+        )  # fmt: skip
+
+    met = judge("planner.memory_error_1b", [planner("none", 3.0), planner("full", 7.5)])
+    assert met.status == "met" and met.value == pytest.approx(7.5)
+    missed = judge("planner.memory_error_1b", [planner("none", 3.0), planner("full", 12.0)])
+    assert missed.status == "not met" and missed.value == pytest.approx(12.0)
+    assert judge("planner.memory_error_1b", []).status == "not measured"
 
 
 def test_missing_rows_and_missing_baseline_are_not_measured() -> None:

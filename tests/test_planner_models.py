@@ -22,7 +22,9 @@ import json
 import pytest
 
 transformers = pytest.importorskip(
-    "transformers", reason="the reference counts come from transformers models"
+    "transformers",
+    reason="the reference counts come from transformers models: install the planner-tests extra "
+    "(make test installs it where a package index is reachable)",
 )
 torch = pytest.importorskip("torch")
 
