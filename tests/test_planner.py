@@ -1,0 +1,410 @@
+"""smptk.parallel.planner: clusters, estimate_memory's terms, advise's rules, step_time and ``smptk plan``.
+
+The estimate's terms are restated here from the module docstring's formulas (an independent computation,
+so a code change that drifts from the documented model fails) and checked for how each config key moves
+them: sharding divides model states, TP divides only what smptk splits, EP divides experts, checkpointing
+and offloading shrink activations as documented. tests/test_planner_validation.py checks the same terms
+against real tensors and what autograd keeps; tests/test_planner_models.py the parameter counts.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import json
+
+import pytest
+
+from smptk.cli import main
+from smptk.parallel.planner import (
+    CLUSTERS,
+    ModelSpec,
+    advise,
+    cluster,
+    estimate_memory,
+    model_spec,
+    step_time,
+)
+from smptk.parallel.planner.estimate import local_numel
+
+# The package's names shadow its modules (``planner.advise`` is the function): take the modules themselves.
+advise_mod, clusters_mod, estimate_mod, models_mod = (
+    importlib.import_module(f"smptk.parallel.planner.{m}")
+    for m in ("advise", "clusters", "estimate", "models")
+)
+
+TINY = ModelSpec(
+    "tiny", vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8,
+    intermediate_size=128,
+)  # fmt: skip
+TINY_MOE = ModelSpec(
+    "tiny-moe", vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8,
+    intermediate_size=128, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, dense_layers=(0,),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module", [models_mod, clusters_mod, estimate_mod, advise_mod], ids=lambda m: m.__name__
+)
+def test_docstring_examples_run(module) -> None:
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# -- clusters ------------------------------------------------------------------------------------------
+
+
+def test_cluster_presets_and_aliases() -> None:
+    assert set(CLUSTERS) >= {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5en.48xlarge", "dgx-h100"}
+    assert cluster("p5", nodes=4).world_size == 32 and cluster("P5EN").gpu.name.startswith("H200")
+    p4d, p4de = cluster("p4d.24xlarge"), cluster("p4de.24xlarge")
+    assert p4d.gpu.memory_bytes * 2 == p4de.gpu.memory_bytes and p4d.inter_node_gbps == 400
+    assert cluster("gb200-nvl72").gpus_per_node == 72
+    # 3200 Gbps over 8 GPUs: 50 GB/s of network per GPU.
+    assert cluster("p5.48xlarge").inter_node_bytes_per_gpu == pytest.approx(50e9)
+
+
+def test_custom_cluster_and_errors() -> None:
+    c = cluster(
+        {"gpu": "x", "memory_gb": 24, "bf16_tflops": 100, "gpus_per_node": 4, "intra_node_gbps": 50,
+         "inter_node_gbps": 100, "nodes": 3},
+    )  # fmt: skip
+    assert c.world_size == 12 and c.gpu.memory_bytes == 24 * 2**30
+    with pytest.raises(ValueError, match=r"p4d\.24xlarge"):
+        cluster("p9.huge")
+    with pytest.raises(ValueError, match=r"missing keys \['bf16_tflops'\]"):
+        cluster({"gpu": "x", "memory_gb": 1, "gpus_per_node": 1, "intra_node_gbps": 1, "inter_node_gbps": 1})
+    with pytest.raises(ValueError, match="unknown keys"):
+        cluster({**{k: 1 for k in clusters_mod._CUSTOM_KEYS}, "colour": "red"})
+    with pytest.raises(ValueError, match="nodes must be an int >= 1"):
+        cluster("p5", nodes=0)
+    with pytest.raises(TypeError):
+        cluster(3)
+
+
+# -- estimate_memory: model states ---------------------------------------------------------------------
+
+
+def test_model_states_are_16_bytes_per_sharded_parameter() -> None:
+    """FSDP2 mixed precision keeps fp32 parameters, fp32 gradients and two fp32 Adam moments per shard."""
+    n = TINY.num_parameters()
+    for world in (1, 2, 4):
+        est = estimate_memory(TINY, {}, seq_len=16, world_size=world)
+        assert est.parameter_bytes == est.gradient_bytes == 4 * n // world
+        assert est.optimizer_bytes == 8 * n // world
+    sgd = estimate_memory(TINY, {}, seq_len=16, world_size=1, optimizer="sgd")
+    assert sgd.optimizer_bytes == 0
+
+
+def test_ddp_replication_counts_twenty_bytes_per_parameter() -> None:
+    """hybrid_shard_degree 1, fp32, no TP runs DDP: fp32 param 4 + grad 4 + Adam 8 + bucket copy 4."""
+    est = estimate_memory(
+        TINY, {"hybrid_shard_degree": 1, "mixed_precision": "fp32"}, seq_len=16, world_size=4
+    )
+    assert est.engine == "ddp"
+    model_states = est.parameter_bytes + est.gradient_bytes + est.optimizer_bytes
+    assert model_states == 20 * TINY.num_parameters()
+    assert not [t for t in est.terms if t.name.startswith("FSDP2")]
+
+
+def test_fsdp_pads_dim0_to_the_shard_count() -> None:
+    """A [5] norm weight on 4 ranks: FSDP2's rank 0 holds ceil(5 / 4) = 2 rows."""
+    spec = ModelSpec(
+        "odd", vocab_size=7, hidden_size=5, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=5,
+        intermediate_size=3,
+    )  # fmt: skip
+    sizes = {"tp": 1, "ep": 1, "dp_shard": 4, "edp_shard": 4}
+    expected = sum(t.count * -(-t.shape[0] // 4) * (t.numel // t.count // t.shape[0]) for t in spec.tensors())
+    assert local_numel(spec, sizes) == expected > spec.num_parameters() // 4
+
+
+def test_tensor_parallelism_divides_only_what_smptk_splits() -> None:
+    one = local_numel(TINY, {"tp": 1, "ep": 1, "dp_shard": 1, "edp_shard": 1})
+    two = local_numel(TINY, {"tp": 2, "ep": 1, "dp_shard": 1, "edp_shard": 1})
+    replicated = sum(t.numel for t in TINY.tensors() if t.split == "replicated")
+    assert replicated == 2 * 4 * 64 + 64  # two norms per layer + the final norm
+    assert two == (one - replicated) // 2 + replicated
+
+
+def test_expert_parallelism_divides_the_experts() -> None:
+    experts = sum(t.numel for t in TINY_MOE.tensors() if t.split == "experts")
+    assert experts == 3 * 8 * 32 * 64 * 3  # 3 MoE layers x (gate, up, down) x [8, 32, 64]
+    base = {"tp": 1, "dp_shard": 4}
+    ep1 = local_numel(TINY_MOE, {**base, "ep": 1, "edp_shard": 4})
+    ep4 = local_numel(TINY_MOE, {**base, "ep": 4, "edp_shard": 1})
+    assert ep1 - ep4 == 0  # experts / 4 either way: over edp_shard (FSDP) or over ep
+    ep2_hsdp = local_numel(TINY_MOE, {"tp": 1, "dp_shard": 2, "ep": 2, "edp_shard": 1})
+    dense_hsdp = local_numel(TINY_MOE, {"tp": 1, "dp_shard": 2, "ep": 1, "edp_shard": 2})
+    assert ep2_hsdp == dense_hsdp
+
+
+def test_hsdp_shards_within_the_group_only() -> None:
+    hsdp = estimate_memory(TINY, {"hybrid_shard_degree": 2}, seq_len=16, world_size=8)
+    full2 = estimate_memory(TINY, {}, seq_len=16, world_size=2)
+    assert hsdp.engine == "fsdp2 hybrid_shard" and hsdp.sizes["dp_replicate"] == 4
+    assert hsdp.parameter_bytes == full2.parameter_bytes
+
+
+# -- estimate_memory: activations ----------------------------------------------------------------------
+
+
+def _documented_block(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: bool = False) -> int:
+    """One dense block with no checkpointing, restated from estimate.py's docstring (flash attention)."""
+    T = b * s
+    Tr = T // t if sp else T
+    h, d, a, g, f = (
+        spec.hidden_size,
+        spec.head_dim,
+        spec.num_heads // t,
+        spec.num_kv_heads // t,
+        spec.intermediate_size // t,
+    )
+    norms = 2 * (Tr * h * B + 4 * Tr)
+    inputs = (3 + 2 if sp else 2) * T * h * B
+    attention = T * d * (2 * a + 2 * g) * B + 4 * T * a + T * a * d * B
+    mlp = 4 * T * f * B
+    return norms + inputs + attention + mlp
+
+
+def _outside(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: bool = False) -> int:
+    T = b * s
+    Tr = T // t if sp else T
+    return (
+        8 * T + Tr * spec.hidden_size * B + 4 * Tr + T * spec.hidden_size * B + 4 * T * spec.vocab_size // t
+    )
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_activation_terms_follow_the_documented_formula(tp, sp, precision) -> None:
+    B = 2 if precision == "bf16" else 4
+    cfg = {"tensor_parallel_degree": tp, "mixed_precision": precision}
+    est = estimate_memory(TINY, cfg, seq_len=32, micro_batch=3, world_size=tp, sequence_parallel=sp)
+    want = TINY.num_layers * _documented_block(TINY, 3, 32, B, tp, sp) + _outside(TINY, 3, 32, B, tp, sp)
+    assert est.activation_bytes == want
+
+
+def test_materialized_attention_adds_the_probabilities() -> None:
+    flash = estimate_memory(TINY, {}, seq_len=64, micro_batch=2, world_size=1)
+    mat = estimate_memory(TINY, {}, seq_len=64, micro_batch=2, world_size=1, attention="materialized")
+    a, d, T, B = 8, 8, 128, 2
+    # materialized: q, k and v at the query heads and b a s^2 probabilities; flash: k, v at kv heads + lse.
+    per_block = (3 * T * a * d * B + 2 * a * 64 * 64 * B) - (
+        T * d * (a + 2 * 4) * B + T * a * d * B + 4 * T * a
+    )
+    assert mat.activation_bytes - flash.activation_bytes == TINY.num_layers * per_block
+
+
+def test_checkpointing_keeps_block_inputs_and_offloading_moves_them() -> None:
+    T, h, B = 64, 64, 2
+    none = estimate_memory(TINY, {}, seq_len=64, world_size=1)
+    full = estimate_memory(TINY, {"activation_checkpointing": "full"}, seq_len=64, world_size=1)
+    sel = estimate_memory(TINY, {"activation_checkpointing": "selective"}, seq_len=64, world_size=1)
+    outside = _outside(TINY, 1, 64, B)
+    assert full.activation_bytes == TINY.num_layers * T * h * B + outside
+    assert full.activation_bytes < sel.activation_bytes < none.activation_bytes
+    recompute = [t.bytes for t in full.terms if t.name == "recomputed block"]
+    assert recompute == [_documented_block(TINY, 1, 64, B)]
+    cfg = {
+        "activation_checkpointing": "full",
+        "sm_activation_offloading": True,
+        "activation_loading_horizon": 3,
+    }
+    off = estimate_memory(TINY, cfg, seq_len=64, world_size=1)
+    assert off.host_bytes == TINY.num_layers * T * h * B
+    assert off.activation_bytes == 3 * T * h * B + outside
+
+
+def test_moe_terms_and_dispatch_buffers() -> None:
+    est = estimate_memory(TINY_MOE, {"expert_parallel_degree": 2}, seq_len=32, world_size=2)
+    names = [t.name for t in est.terms]
+    assert "activations: 1 dense blocks" in names and "activations: 3 MoE blocks" in names
+    (dispatch,) = [t.bytes for t in est.terms if t.name == "MoE dispatch buffers"]
+    assert dispatch == 2 * 32 * 2 * 64 * 2
+
+
+def test_heaps_count_the_groups_inside_a_node() -> None:
+    p5 = cluster("p5", nodes=2)
+    one_group = estimate_memory("llama2-7b", {"tensor_parallel_degree": 8}, seq_len=4096, cluster=p5)
+    (heap,) = [t for t in one_group.terms if t.kind == "comm"]
+    assert "tp" in heap.detail and heap.bytes == 64 * 2**20 + estimate_mod.DATA_OFFSET
+    # dp_shard spans both nodes: its collectives fall back to torch.distributed, no heap.
+    assert not [
+        t for t in estimate_memory("llama2-7b", {}, seq_len=4096, cluster=p5).terms if t.kind == "comm"
+    ]
+
+
+def test_estimate_reports_a_table_json_and_fit() -> None:
+    est = estimate_memory("llama2-7b", {}, seq_len=4096, cluster="p4d.24xlarge")
+    text = est.table()
+    assert "total" in text and "parameters (fp32 master)" in text and "of 40.0 GiB per GPU" in text
+    doc = json.loads(est.to_json())
+    assert doc["total_bytes"] == est.total_bytes == sum(t["bytes"] for t in doc["terms"])
+    assert est.fits() == (est.total_bytes <= 40 * 2**30 - 2**29)
+    margin = est.bytes_of("margin")
+    assert margin == int(0.05 * (est.total_bytes - margin))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"config": {"tensor_parallel_degree": 3}, "world_size": 8},
+            ValueError,
+            "does not divide world size 8",
+        ),
+        (
+            {"config": {"tensor_parallel_degree": 16}, "world_size": 16},
+            ValueError,
+            "num_kv_heads 8 is not divisible",
+        ),
+        ({"config": {"expert_parallel_degree": 2}, "world_size": 2}, ValueError, "dense model"),
+        ({"config": {"tensor_parallel_degree": 2}, "world_size": 2, "seq_len": 33}, ValueError, "seq_len 33"),
+        ({"optimizer": "lion"}, ValueError, "optimizer: expected one of"),
+        ({"attention": "sparse"}, ValueError, "attention: expected one of"),
+        ({"micro_batch": 0}, ValueError, "micro_batch"),
+        ({"world_size": None}, ValueError, "pass cluster= or world_size="),
+        ({"cluster": "p5", "world_size": 4}, ValueError, "disagrees"),
+        ({"config": {"tensor_parallel": 2}}, ValueError, "did you mean 'tensor_parallel_degree'"),
+    ],
+)
+def test_estimate_rejects_bad_input(kwargs, error, match) -> None:
+    args = {"config": {}, "seq_len": 32, "world_size": 1, **kwargs}
+    with pytest.raises(error, match=match):
+        estimate_memory("llama2-70b", args.pop("config"), **args)
+
+
+# -- step_time and advise ------------------------------------------------------------------------------
+
+
+def test_step_time_model() -> None:
+    p5 = cluster("p5", nodes=1)  # sharding inside the node: compute-bound
+    base = step_time("llama3.1-8b", {}, p5, seq_len=4096)
+    assert 0 < base.mfu <= 0.6 and base.step_s >= base.compute_s
+    full = step_time("llama3.1-8b", {"activation_checkpointing": "full"}, p5, seq_len=4096)
+    assert full.compute_s == pytest.approx(base.compute_s * 4 / 3, rel=0.05)  # one more forward of the blocks
+    # The same model FLOPs, and MFU counts no recompute.
+    assert full.model_flops == base.model_flops and full.mfu < base.mfu
+    two_nodes = cluster("p5", nodes=2)
+    full_shard = step_time("llama3.1-8b", {}, two_nodes, seq_len=4096)
+    hsdp = step_time("llama3.1-8b", {"hybrid_shard_degree": 8}, two_nodes, seq_len=4096)
+    assert hsdp.dp_comm_s < full_shard.dp_comm_s  # sharding inside the node: NVLink instead of the network
+    tp = step_time("llama3.1-8b", {"tensor_parallel_degree": 4}, p5, seq_len=4096)
+    # A tp group shares one data-parallel rank's micro-batch: each GPU computes a quarter of it.
+    assert tp.tp_comm_s > 0 and tp.compute_s == pytest.approx(base.compute_s / 4, rel=1e-9)
+    with pytest.raises(ValueError, match="compute_efficiency"):
+        step_time("llama3.1-8b", {}, p5, seq_len=4096, compute_efficiency=1.5)
+
+
+def test_advise_ranks_configurations_that_fit() -> None:
+    adv = advise("llama2-7b", "p4d.24xlarge", nodes=2, seq_len=4096)
+    memory = 40 * 2**30 - 2**29
+    assert adv.candidates and adv.best.config.tensor_parallel_degree == 1
+    per_token = [c.time.step_s / c.global_batch_tokens for c in adv.candidates]
+    assert per_token == sorted(per_token)
+    for c in adv.candidates:
+        assert c.fits and c.estimate.total_bytes <= memory and c.global_batch_tokens <= 4 * 2**20
+        assert c.reason
+    reasons = " | ".join(c.reason for c in adv.rejected)
+    assert (
+        "does not fit" in reasons
+        and "TP not needed" in reasons
+        and "a smaller sharding degree fits" in reasons
+    )
+    # The smallest sharding that fits: replication (16 B/param on every GPU) cannot hold 7B in 40 GB.
+    assert all(c.estimate.sizes["dp_shard"] > 1 for c in adv.candidates)
+    assert "fastest predicted" in adv.best.reason and "llama2-7b" in adv.summary()
+    assert json.loads(json.dumps(adv.to_dict()))["candidates"][0]["fits"] is True
+
+
+def test_advise_fills_the_global_batch_with_accumulation() -> None:
+    adv = advise("llama2-7b", "p4d.24xlarge", nodes=2, seq_len=4096, global_batch_tokens=2**20)
+    for c in adv.candidates:
+        assert abs(c.global_batch_tokens - 2**20) <= 0.25 * 2**20
+        assert (
+            c.global_batch_tokens
+            == 16 * c.micro_batch * 4096 * c.grad_accum // c.config.tensor_parallel_degree
+        )
+    with pytest.raises(ValueError, match="global_batch_tokens"):
+        advise("llama2-7b", "p4d", seq_len=4096, global_batch_tokens=10)
+
+
+def test_advise_allows_tensor_parallelism_for_long_sequences() -> None:
+    adv = advise("llama3.1-8b", "p5.48xlarge", nodes=1, seq_len=16384)
+    assert any(c.config.tensor_parallel_degree > 1 for c in adv.candidates)
+
+
+def test_advise_says_what_would_fit_when_nothing_does() -> None:
+    adv = advise("llama3.1-405b", "p4d.24xlarge", nodes=1, seq_len=4096)
+    assert adv.candidates == () and adv.best is None
+    text = " ".join(adv.suggestions)
+    assert "nodes" in text and "larger GPU" in text and "needs" in text
+    assert "nothing fits" in adv.summary()
+
+
+def test_advise_searches_expert_parallelism_for_moe() -> None:
+    adv = advise("qwen3-30b-a3b", "p5.48xlarge", nodes=1, seq_len=4096)
+    searched = {c.config.expert_parallel_degree for c in adv.candidates + adv.rejected}
+    assert searched == {1, 2, 4, 8} and adv.candidates
+
+
+# -- smptk plan ----------------------------------------------------------------------------------------
+
+
+def test_plan_prints_recommendations_and_the_breakdown(capsys) -> None:
+    assert main(["plan", "--model", "llama2-70b", "--instance", "p4d.24xlarge", "--nodes", "32",
+                 "--seq-len", "4096"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "recommended configurations" in out and "llama2-70b: 68.98B parameters" in out
+    assert "parameters (fp32 master)" in out and "total" in out
+
+
+def test_plan_json_and_config(capsys, tmp_path) -> None:
+    assert main(["plan", "--model", "llama3.1-8b", "--instance", "p5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"] == "llama3.1-8b" and doc["candidates"][0]["fits"]
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"tensor_parallel_degree": 2, "activation_checkpointing": "selective"}))
+    assert (
+        main(
+            ["plan", "--model", "llama3.1-8b", "--instance", "p5", "--config", str(cfg), "--micro-batch", "2"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "tp 2" in out and "checkpointing selective" in out and "fits in" in out and "predicted step" in out
+    assert main(["plan", "--model", "llama3.1-8b", "--instance", "p5", "--config",
+                 '{"hybrid_shard_degree": 8}', "--json"]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sizes"]["dp_shard"] == 8 and doc["fits"] in (True, False) and doc["step"]["step_s"] > 0
+
+
+def test_plan_custom_cluster_file(capsys, tmp_path) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"gpu": "mygpu", "memory_gb": 96, "bf16_tflops": 700, "gpus_per_node": 4,
+                                "intra_node_gbps": 300, "inter_node_gbps": 800}))  # fmt: skip
+    assert main(["plan", "--model", "mistral-7b", "--instance", str(path), "--nodes", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "custom mygpu"
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--model", "llama9", "--instance", "p5"], "unknown model 'llama9'; presets: llama2-7b"),
+        (["--model", "llama2-7b", "--instance", "p9"], "unknown instance 'p9'; presets: p4d.24xlarge"),
+        (["--model", "llama2-7b", "--instance", "p5", "--config", "{bad"], "--config: not valid JSON"),
+        (
+            ["--model", "llama2-7b", "--instance", "p5", "--config", '{"tensor_parallel_degree": 3}'],
+            "does not divide",
+        ),
+    ],
+)
+def test_plan_errors_name_the_problem(capsys, args, match) -> None:
+    assert main(["plan", *args]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_model_spec_describe_and_presets() -> None:
+    assert model_spec("DeepSeek-V3").is_mla and model_spec("deepseek-v3").num_moe_layers == 58
+    assert "MoE 8x top-2" in model_spec("mixtral-8x7b").describe()
