@@ -162,7 +162,7 @@ def _documented_block(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: b
     )
     norms = 2 * (Tr * h * B + 4 * Tr)
     inputs = (3 + 2 if sp else 2) * T * h * B
-    attention = T * d * (2 * a + 2 * g) * B + 4 * T * a + T * a * d * B
+    attention = T * d * (2 * a + 2 * g) * B + 4 * T * a  # the output is o_proj's input (a view)
     mlp = 4 * T * f * B
     return norms + inputs + attention + mlp
 
@@ -170,9 +170,8 @@ def _documented_block(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: b
 def _outside(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: bool = False) -> int:
     T = b * s
     Tr = T // t if sp else T
-    return (
-        8 * T + Tr * spec.hidden_size * B + 4 * Tr + T * spec.hidden_size * B + 4 * T * spec.vocab_size // t
-    )
+    ids = 16 * T + (3 * T if t > 1 else 0)  # ids and targets (int64), vocab-parallel bool masks
+    return ids + Tr * spec.hidden_size * B + 4 * Tr + T * spec.hidden_size * B + 4 * T * spec.vocab_size // t
 
 
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)])
@@ -190,7 +189,7 @@ def test_materialized_attention_adds_the_probabilities() -> None:
     mat = estimate_memory(TINY, {}, seq_len=64, micro_batch=2, world_size=1, attention="materialized")
     a, d, T, B = 8, 8, 128, 2
     # materialized: q, k and v at the query heads and b a s^2 probabilities; flash: k, v at kv heads + lse.
-    per_block = (3 * T * a * d * B + 2 * a * 64 * 64 * B) - (
+    per_block = (4 * T * a * d * B + 2 * a * 64 * 64 * B + 64 * 64) - (
         T * d * (a + 2 * 4) * B + T * a * d * B + 4 * T * a
     )
     assert mat.activation_bytes - flash.activation_bytes == TINY.num_layers * per_block

@@ -177,8 +177,8 @@ class Transformer(nn.Module):
         super().__init__()
         if spec.is_mla or spec.mlp != "swiglu" or spec.norm != "rmsnorm" or spec.learned_positions:
             raise ValueError(
-                f"{spec.name}: the reference transformer builds RMSNorm / SwiGLU / GQA models (not MLA, GELU, "
-                "LayerNorm or learned positions)"
+                f"{spec.name}: the reference transformer builds RMSNorm / SwiGLU / GQA models (not MLA, GELU,"
+                " LayerNorm or learned positions)"
             )
         self.spec = spec
         h = spec.hidden_size

@@ -29,28 +29,41 @@ layers), term by term per block (no checkpointing):
   (3 for q / k / v, 2 for gate / up: smptk's column layers save the gathered input, they do not
   gather it again in backward);
 - attention, ``"flash"`` (``F.scaled_dot_product_attention``'s flash kernels): q, k, v, the output and
-  its fp32 log-sum-exp, ``T d (2 a_t + 2 g_t) B + 4 T a_t``; ``"materialized"`` (softmax(QK^T) V
-  written out): q and k, v expanded to the query heads, and the ``b a_t s^2`` probabilities,
-  ``3 T a_t d B + b a_t s^2 B``; then o_proj's input ``T a_t d B``;
+  its fp32 log-sum-exp, ``T d (2 a_t + 2 g_t) B + 4 T a_t``; the kernel writes the output as
+  ``[b, s, heads, d]``, so o_proj's input is a view of it, not a second tensor. ``"materialized"``
+  (softmax(QK^T) V written out): q and k, v expanded to the query heads, the ``b a_t s^2``
+  probabilities, the causal mask (bool, ``s^2``) and o_proj's input (the ``[b, heads, s, d]`` output
+  copied into ``[b, s, heads d]``), ``4 T a_t d B + b a_t s^2 B + s^2``;
 - SwiGLU: gate and up outputs, silu(gate) and down's input, ``4 T f_t B`` (GELU MLP: ``2 T f_t B``);
-- MoE layers instead: the router's fp32 probabilities ``4 T E``, the dispatched rows ``T k h B`` and,
-  per routed row, the grouped SwiGLU's ``4 f_m B`` and the expert output ``h B`` (balanced routing),
-  plus the shared experts as a dense SwiGLU; MLA attention: the down-projected latents and the
-  attention of ``d_qk = nope + rope``, ``d_v`` heads. These two are derived the same way but are not
-  checked against a reference (smptk's reference transformer has neither).
+- MoE layers instead (:class:`smptk.parallel.MoE` on smptk's Triton kernels, the GPU path): the normed
+  input ``T h B`` (and under 16-bit compute the router's fp32 copy of it, ``4 T h``), the router's fp32
+  logits ``4 T E``, the routing (fp32 weights, int32 expert ids, int64 destinations, source tokens and
+  source pairs: ``32`` bytes per routed row, ``T k`` rows, plus ``24 E`` of counts; the layer also
+  keeps it as ``last_routing`` / ``last_plan``), the dispatched rows ``T k h B``, per routed row the
+  grouped SwiGLU's gate and up pre-activations and down's input ``3 f_m B`` and the expert output
+  ``h B`` (balanced routing), and the shared experts' ``3 T f_s B`` (the same kernels per token).
+  smptk's PyTorch fallback (``SMPTK_KERNELS=torch``, CPU) keeps more: per-expert GEMM outputs and
+  ``index_add``'s input (tests/test_planner_validation.py measured 1.2x this without checkpointing);
+- MLA attention: the down-projected latents and the attention of ``d_qk = nope + rope``, ``d_v`` heads,
+  derived the same way but not checked against a reference (smptk's reference transformer has none).
 
-Outside the blocks: the token ids (``8 T``), the final norm, the LM head's input ``T h B`` and the
-loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and :func:`smptk.parallel.vocab_parallel_cross_entropy`
-both keep it). Checkpointing: ``"full"`` keeps each block's input ``T_r h B`` and recomputes one block at a
-time in backward (that block's activations are transient); ``"selective"`` (:data:`smptk.parallel.
-checkpointing.SAVED_OPS`) keeps the input and the outputs of the matrix products and attention kernels
-(q, k, v, o, gate, up, down, attention output and log-sum-exp). smptk's Triton GEMMs are not dispatcher
-ops, so with them "selective" recomputes the GEMMs too and keeps less than this (the estimate is then an
-upper bound). Offloading moves the checkpointed inputs to pinned host memory and keeps at most
-``activation_loading_horizon`` of them on the GPU; the host bytes are reported (not in the GPU total).
-Korthikanti et al. (2022) count ``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no
-dropout and a SwiGLU MLP, so its terms differ, and they are checked against what autograd really keeps
-(tests/test_planner_validation.py: within 10%).
+Outside the blocks: the token ids and the loss's targets (int64, ``16 T``; under tensor parallelism
+also the bool masks of the vocab-parallel embedding and loss, ``3 T``), the final norm, the LM head's
+input ``T h B`` and the loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and
+:func:`smptk.parallel.vocab_parallel_cross_entropy` both keep it). Checkpointing: ``"full"`` keeps each
+block's input ``T_r h B`` (a MoE block also its routing, which the layer holds as attributes) and
+recomputes one block at a time in backward (that block's activations are transient); ``"selective"``
+(:data:`smptk.parallel.checkpointing.SAVED_OPS`) keeps the input and the outputs of the matrix products
+and attention kernels (q, k, v, o, gate, up, down, attention output and log-sum-exp; in a MoE block
+the router's logits and the routing: its grouped and shared-expert GEMMs are Triton kernels, which
+the policy cannot see, so they are recomputed). smptk's Triton GEMMs are not dispatcher ops, so where
+the tensor-parallel layers run them (``smptk.kernels.fused_linear`` on a GPU) "selective" recomputes
+those GEMMs too and keeps less than this (the estimate is then an upper bound). Offloading moves the
+checkpointed inputs to pinned host memory and keeps at most ``activation_loading_horizon`` of them on
+the GPU; the host bytes are reported (not in the GPU total). Korthikanti et al. (2022) count
+``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no dropout and a SwiGLU MLP, so its
+terms differ, and they are checked against what autograd really keeps (tests/test_planner_validation.py:
+within 10%; the dense, tensor-parallel and MoE terms come out within 0.5% at its small shapes).
 
 **Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
 gathered from forward to backward; a block and its prefetched successor), the gathered gradients of one
@@ -83,7 +96,8 @@ from typing import Any
 
 from smptk.kernels.heap_layout import DATA_OFFSET
 from smptk.parallel.config import ParallelConfig
-from smptk.parallel.planner.clusters import Cluster, cluster as _cluster
+from smptk.parallel.planner.clusters import Cluster
+from smptk.parallel.planner.clusters import cluster as _cluster
 from smptk.parallel.planner.models import ModelSpec, model_spec
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
@@ -203,8 +217,8 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows = self.rows()
-        widths = [max(len(r[i]) for r in rows + [("term", "kind", "GiB", "how")]) for i in range(4)]
-        line = lambda r: "  ".join(  # noqa: E731
+        widths = [max(len(r[i]) for r in [*rows, ("term", "kind", "GiB", "how")]) for i in range(4)]
+        line = lambda r: "  ".join(
             (r[i].rjust(widths[i]) if i == 2 else r[i].ljust(widths[i])) for i in range(4)
         ).rstrip()
         return "\n".join([self.title(), line(("term", "kind", "GiB", "how"))] + [line(r) for r in rows])
@@ -305,7 +319,8 @@ def _check_model_fits_degrees(spec: ModelSpec, sizes: dict, seq_len: int, sp: bo
         raise ValueError(f"{spec.name}: expert_parallel_degree {ep} needs experts divisible by it; {what}")
     if sp and seq_len % t:
         raise ValueError(
-            f"seq_len {seq_len} is not divisible by tensor_parallel_degree {t} (sequence parallelism splits it)"
+            f"seq_len {seq_len} is not divisible by tensor_parallel_degree {t} (sequence parallelism "
+            "splits it)"
         )
 
 
@@ -371,7 +386,7 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
     Tr = T // t if sp else T
     h = spec.hidden_size
     a_t = spec.num_heads // t
-    norm = lambda rows: rows * h * B + 4 * rows  # noqa: E731  (input + fp32 rstd)
+    norm = lambda rows: rows * h * B + 4 * rows  # input + fp32 rstd
     none = 2 * norm(Tr)
     sel = Tr * h * B  # the checkpointed input
     # attention
@@ -396,16 +411,19 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         sel += T * (a_t + 2 * g_t) * d * B
         q_el, kv_el, out_el = a_t * d, 2 * g_t * d, a_t * d
     if attention == "flash":
+        # the kernel writes its output [b, s, heads, d]: o_proj's input is a view of it, not a copy
         core = T * (q_el + kv_el + out_el) * B + 4 * T * a_t
         sel += T * out_el * B + 4 * T * a_t
     else:
         k_el = q_el  # k, v expanded to the query heads
         v_el = out_el
-        core = T * (q_el + k_el + v_el) * B + b * a_t * s * s * B
+        # + the bool causal mask masked_fill keeps, + o_proj's input (the [b, heads, s, d] output copied)
+        core = T * (q_el + k_el + v_el) * B + b * a_t * s * s * B + s * s + T * out_el * B
         sel += b * a_t * s * s * B + T * out_el * B
-    none += core + T * out_el * B  # + o_proj's input
+    none += core
     sel += T * h * B  # o_proj's product
     # MLP
+    routing = 0
     if layer_moe:
         E, k, fm, fs = (
             spec.num_experts,
@@ -414,14 +432,16 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
             spec.shared_expert_intermediate_size,
         )
         rows = T * k
-        mlp_in = T * h * B
-        moe = 4 * T * E + rows * h * B + rows * 4 * fm * B + rows * h * B
-        moe_sel = 4 * T * E + rows * h * B + rows * 2 * fm * B + rows * h * B
-        if fs:  # the shared experts read the same input, whole on every tp rank
-            moe += 4 * T * fs * B
-            moe_sel += 2 * T * fs * B + T * h * B
+        # the layer's routing, kept by autograd and as the layer's last_routing / last_plan: fp32 weights,
+        # int32 expert ids, int64 destinations, source tokens and source pairs (32 bytes a row), [E] counts
+        routing = 32 * rows + 24 * E
+        mlp_in = T * h * B + (4 * T * h if B != 4 else 0)  # + the router's fp32 copy of a 16-bit input
+        # smptk's Triton kernels: the dispatched rows, the grouped SwiGLU's gate and up pre-activations
+        # and down's input, the expert outputs (combine's input); the shared experts the same per token
+        moe = 4 * T * E + routing + rows * h * B + rows * 3 * fm * B + rows * h * B
+        moe += 3 * T * fs * B  # the shared experts read the same input, whole on every tp rank
         none += mlp_in + moe
-        sel += moe_sel
+        sel += 4 * T * E + routing  # the router's GEMM; the grouped and shared GEMMs are Triton kernels
     elif spec.mlp == "swiglu":
         f_t = spec.intermediate_size // t
         none += (2 if sp else 1) * T * h * B + 4 * T * f_t * B
@@ -430,7 +450,7 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         f_t = spec.intermediate_size // t
         none += T * h * B + 2 * T * f_t * B
         sel += T * f_t * B + T * h * B
-    return {"none": none, "full": Tr * h * B, "selective": sel}
+    return {"none": none, "full": Tr * h * B + routing, "selective": sel}
 
 
 def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
@@ -484,11 +504,13 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
             )  # fmt: skip
     V_t = -(-spec.vocab_size // t)
     h = spec.hidden_size
-    outside = 8 * T + Tr * h * B + 4 * Tr + T * h * B + 4 * T * V_t
+    ids = 16 * T + (3 * T if t > 1 else 0)  # int64 ids and targets (+ the vocab-parallel bool masks)
+    outside = ids + Tr * h * B + 4 * Tr + T * h * B + 4 * T * V_t
     terms.append(
         MemoryTerm(
             "activations: embedding, final norm, head, loss", outside, "activations",
-            f"token ids, norm input, head input, fp32 softmax [T, V/tp] = {4 * T * V_t / 2**20:.1f} MiB",
+            "token ids and targets, norm input, head input, fp32 softmax [T, V/tp] = "
+            f"{4 * T * V_t / 2**20:.1f} MiB",
         )
     )  # fmt: skip
     per_block = max(dense["none"], moe["none"] if moe else 0)
@@ -584,6 +606,7 @@ def _heap_terms(sizes: dict, cl: Cluster | None, heap_bytes: int) -> list[Memory
     return [
         MemoryTerm(
             "smptk symmetric heaps", len(groups) * seg, "comm",
-            f"{len(groups)} group(s) inside a node ({', '.join(groups)}), {heap_bytes / 2**20:.0f} MiB + control each",
+            f"{len(groups)} group(s) inside a node ({', '.join(groups)}), "
+            f"{heap_bytes / 2**20:.0f} MiB + control each",
         )
     ]  # fmt: skip

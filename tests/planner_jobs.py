@@ -1,0 +1,256 @@
+"""The measuring side of ``tests/test_planner_validation.py``: real model states and saved activations.
+
+Every case builds :class:`smptk.testing.transformer.Transformer` from a small :class:`ModelSpec`, applies
+smptk's parallelism as the case's config says (tensor parallelism through ``parallelize``, expert
+parallelism, FSDP2 through ``apply_data_parallel``, activation checkpointing), and measures on this rank:
+
+- model states, in bytes of this rank's local tensors (``to_local()`` of DTensors: the shard a rank
+  holds): the parameters, their gradients after backward, and AdamW's ``exp_avg`` + ``exp_avg_sq``
+  after a step (the scalar ``step`` is not state the planner counts);
+- activations, what one forward (model and loss) leaves alive for backward, counted two ways
+  (:func:`measure_activations`): the tensors autograd saves, seen by ``saved_tensors_hooks`` (``hooks``),
+  and the storages created during the forward that are still alive after it (``live``: a
+  ``TorchDispatchMode`` keeps a weak reference to every op output's storage). The hooks cannot see
+  what a checkpointed region keeps (torch's checkpoint installs its own hooks inside it, and selective
+  checkpointing caches the op outputs it keeps where no hook sees them), so checkpointed runs are read
+  from ``live``; with no checkpointing both are returned and must agree.
+
+Parameters, buffers and the loss are never counted. A storage is counted once however many tensors
+view it (q / k / v share one input; the attention output is o_proj's input). ``live`` cannot see the
+forward's inputs (they exist before it), so the ones autograd saved (the token ids an embedding keeps)
+are added to it from the hooks.
+
+Each case first takes one AdamW step (its states are measured then, and anything allocated lazily on the
+first step exists before the measured forward), then runs the measured forward alone (its backward would
+change nothing that is counted). Multi-rank jobs (``run``, through ``tests/comm_harness.run_ranks``) run
+every case of their world size in one process group; the single-process cases (``SINGLE``) run in the
+pytest process on a 1-rank gloo group, with ``SMPTK_KERNELS`` chosen per phase (:func:`run_case`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import logging
+import os
+import warnings
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from smptk.parallel.planner import ModelSpec
+from smptk.testing.transformer import ATTENTION
+
+SEQ, MICRO_BATCH = 32, 2
+# Vocabulary 126 and MLP width 90 do not divide by 4: FSDP2 pads them (rank 0 holds ceil(rows / shard)),
+# which the estimate must reproduce; both still divide by the tensor-parallel degree 2.
+_SHAPE = {
+    "vocab_size": 126, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+    "intermediate_size": 90,
+}  # fmt: skip
+DENSE = ModelSpec("validation-dense", **_SHAPE)
+MOE = ModelSpec(
+    "validation-moe", **_SHAPE, num_experts=4, experts_per_token=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)  # fmt: skip
+SPECS = {"dense": DENSE, "moe": MOE}
+
+
+def _case(
+    spec: str, what: str = "activations", attention: str = "flash", sp: bool = False, **config
+) -> tuple:
+    """``(spec name, config, attention, sequence_parallel, what)``: "states" measures the model states,
+    "activations" the measured forward too. The config is complete (the estimate takes the same dict)."""
+    return (spec, {"mixed_precision": "fp32", **config}, attention, sp, what)
+
+
+MODES = ("none", "full", "selective")
+SINGLE = {
+    **{
+        f"{a}_{ac}": _case("dense", attention=a, activation_checkpointing=ac)
+        for a in ATTENTION
+        for ac in MODES
+    },
+    **{
+        f"bf16_flash_{ac}": _case("dense", mixed_precision="bf16", activation_checkpointing=ac)
+        for ac in MODES
+    },
+    **{f"moe_{ac}": _case("moe", activation_checkpointing=ac) for ac in MODES},
+}
+WORLD2 = {
+    **{
+        f"tp2{'_sp' if sp else ''}_{ac}": _case(
+            "dense", sp=sp, tensor_parallel_degree=2, activation_checkpointing=ac
+        )
+        for sp in (False, True)
+        for ac in ("none", "full")
+    },
+    "fsdp2": _case("dense", "states", hybrid_shard_degree=0),
+    "ep2": _case("moe", "states", expert_parallel_degree=2),
+}
+WORLD4 = {
+    "fsdp4": _case("dense", "states", hybrid_shard_degree=0),
+    "hsdp2x2": _case("dense", "states", hybrid_shard_degree=2),
+    "tp2_fsdp2": _case("dense", "states", tensor_parallel_degree=2),
+    "ep2_dp2": _case("moe", "states", expert_parallel_degree=2),
+    "ep4": _case("moe", "states", expert_parallel_degree=4),
+}
+CASES = {1: SINGLE, 2: WORLD2, 4: WORLD4}
+# The MoE layer runs smptk's Triton kernels on a GPU, and its PyTorch fallback keeps more for backward
+# (per-expert GEMM outputs, index_add's input): the single-process MoE forwards that the estimate is
+# checked on run the Triton path (Triton's interpreter on CPU; ~3 s a forward). "full" keeps only the block
+# inputs and the layer's routing, the same tensors on either path, so it runs the fallback.
+TRITON_MEASURED = ("moe_none", "moe_selective")
+
+
+# -- measuring -----------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores); a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t.untyped_storage()
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to the storage of every op output (views included: they name their base)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and not hasattr(t, "_local_tensor"):
+                self.refs.append(weakref.ref(t.untyped_storage()))
+        return out
+
+
+def measure_activations(model: torch.nn.Module, forward, inputs: tuple = ()) -> tuple[torch.Tensor, dict]:
+    """Run ``forward()`` (-> the loss) and count what it leaves for backward (see the module docstring).
+
+    ``inputs``: the tensors the forward reads that exist before it (ids, targets). Returns ``(loss,
+    {"hooks": bytes, "live": bytes})``.
+    """
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    skip = {_storage(t).data_ptr() for t in tensors}
+    older = skip | {_storage(t).data_ptr() for t in inputs}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _storage(t)
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    mode = _LiveStorages()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        loss = forward()
+    older.add(_storage(loss).data_ptr())
+    gc.collect()
+    live: dict[int, int] = {}
+    for ref in mode.refs:
+        storage = ref()
+        if storage is not None and storage.data_ptr() not in older:
+            live[storage.data_ptr()] = storage.nbytes()
+    older_saved = {ptr: n for ptr, n in saved.items() if ptr not in live}  # the inputs autograd keeps
+    return loss, {"hooks": sum(saved.values()), "live": sum(live.values()) + sum(older_saved.values())}
+
+
+def model_states(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """This rank's bytes of parameters, gradients and AdamW moments (local shards)."""
+    params = list(model.parameters())
+    moments = [v for p in params for k, v in opt.state[p].items() if k != "step" and torch.is_tensor(v)]
+    return {
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local_bytes(v) for v in moments),
+    }
+
+
+# -- cases ---------------------------------------------------------------------------------------------
+
+
+def batch(spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids ``[b, s]`` and next-token targets, the same on every rank."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, spec.vocab_size, (MICRO_BATCH, SEQ + 1), generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+@contextlib.contextmanager
+def kernels(path: str | None):
+    """``SMPTK_KERNELS=path`` inside (read at every kernel call); None leaves it as it is."""
+    if path is None:
+        yield
+        return
+    old = os.environ.get("SMPTK_KERNELS")
+    os.environ["SMPTK_KERNELS"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SMPTK_KERNELS"]
+        else:
+            os.environ["SMPTK_KERNELS"] = old
+
+
+def run_case(spec_name, config, attention, sp, what, *, step_kernels=None, measure_kernels=None) -> dict:
+    """Build, parallelize and step one case on this rank; its measurements (see the module docstring).
+
+    ``step_kernels`` / ``measure_kernels``: ``SMPTK_KERNELS`` for the training step and for the measured
+    forward (None: as the environment says).
+    """
+    import smptk.parallel as parallel
+    from smptk.testing.transformer import Transformer, loss, parallelize
+
+    spec = SPECS[spec_name]
+    state = parallel.init(config)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(spec, max_seq_len=SEQ, attention=attention)
+        if config["mixed_precision"] == "bf16":
+            model = model.to(torch.bfloat16)
+        group = None
+        if state.sizes["tp"] > 1:
+            parallelize(model, state.submesh("tp"), sequence_parallel=sp)
+            group = state.group("tp")
+        parallel.apply_activation_checkpointing(model, state)
+        if state.sizes["ep"] > 1:
+            parallel.apply_expert_parallel(model, state)
+        if state.sizes["dp"] > 1:
+            model, _ = parallel.apply_data_parallel(model, state, use_smptk_collectives=False)
+        x, y = batch(spec)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with kernels(step_kernels):
+            loss(model(x), y, group).backward()
+            opt.step()
+        out = {"states": model_states(model, opt)}
+        if what == "activations":
+            opt.zero_grad(set_to_none=True)
+            with kernels(measure_kernels):
+                _, out["activations"] = measure_activations(model, lambda: loss(model(x), y, group), (x, y))
+        return out
+    finally:
+        parallel.reset()
+
+
+def run(rank: int, world: int) -> dict:
+    """Every case of this world size (``CASES[world]``), on this rank."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single", category=FutureWarning)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return {name: run_case(*case) for name, case in CASES[world].items()}
