@@ -45,7 +45,15 @@ TINY_MOE = ModelSpec(
 
 
 @pytest.mark.parametrize(
-    "module", [models_mod, clusters_mod, estimate_mod, advise_mod], ids=lambda m: m.__name__
+    "module",
+    [
+        models_mod,
+        clusters_mod,
+        estimate_mod,
+        advise_mod,
+        importlib.import_module("smptk.testing.transformer"),
+    ],
+    ids=lambda m: m.__name__,
 )
 def test_docstring_examples_run(module) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
