@@ -166,6 +166,9 @@ _TABLE = (
              choices=KERNEL_PATHS),
     Variable("TRITON_INTERPRET", "triton flag", False, "Triton's interpreter (kernels on CPU tensors); "
              "Triton reads it when smptk.kernels is imported, so set it before that"),
+    Variable("SMPTK_INTERPRETER_FAST_CALLS", "flag", True, "under TRITON_INTERPRET, skip Triton's "
+             "re-patching of triton.language at every @jit helper call inside a running kernel (see "
+             "smptk.kernels._triton); off: Triton's interpreter exactly as shipped"),
     Variable("SMPTK_GEMM_PATH", "choice", "auto", "GEMM engine's main loop: auto (TMA where the GPU and "
              "shapes allow), tma or pointer (plain pointer loads)", choices=GEMM_PATHS),
     Variable("SMPTK_AUTOTUNE", "flag", True, "GEMM launches autotune their block sizes on CUDA "
@@ -234,6 +237,11 @@ def kernels() -> str:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET`` as Triton reads it: whether kernels are (or would be) interpreted."""
     return _read("TRITON_INTERPRET")
+
+
+def interpreter_fast_calls() -> bool:
+    """``SMPTK_INTERPRETER_FAST_CALLS``: skip the interpreter's re-patching at helper calls (default True)."""
+    return _read("SMPTK_INTERPRETER_FAST_CALLS")
 
 
 def gemm_path() -> str:

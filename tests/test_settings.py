@@ -138,6 +138,7 @@ def test_choice_and_text_defaults(env):
 # accessor, variable, default, (a value to set, what it reads as), a value it rejects (None: accepts all)
 ACCESSORS = [
     (settings.kernels, "SMPTK_KERNELS", "auto", ("Torch", "torch"), "cuda"),
+    (settings.interpreter_fast_calls, "SMPTK_INTERPRETER_FAST_CALLS", True, ("no", False), "fast"),
     (settings.gemm_path, "SMPTK_GEMM_PATH", "auto", (" pointer", "pointer"), "wgmma"),
     (settings.autotune, "SMPTK_AUTOTUNE", True, ("off", False), "maybe"),
     (settings.poison_outputs, "SMPTK_POISON_OUTPUTS", False, ("yes", True), "2"),

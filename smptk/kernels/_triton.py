@@ -99,6 +99,8 @@ def _load() -> None:
             have = False
         globals().update(triton=triton, tl=tl, HAVE_TRITON=have)
         interpreted = have and (_library_interpreted(tl) if imported_before else settings.triton_interpret())
+        if interpreted and settings.interpreter_fast_calls():
+            _skip_repatching_in_kernels(tl)
         globals()["INTERPRETER_AT_IMPORT"] = interpreted  # last: marks the load done
 
 
@@ -107,6 +109,74 @@ def _library_interpreted(tl: Any) -> bool:
     interpreter: Triton decides it for them when it is imported, as for every kernel when it is decorated.
     Read from the function's type (``InterpretedFunction``), for a triton that other code imported first."""
     return type(tl.cdiv).__name__ == "InterpretedFunction"
+
+
+# --- the interpreter's helper calls ---------------------------------------------------------------------
+#
+# Triton's interpreter (3.x) patches ``triton.language`` for host execution when a kernel starts, and undoes
+# it when the kernel ends. It also runs the same patching again at every call of a ``@triton.jit`` helper
+# inside the kernel, where the modules are patched already: ``inspect.getmembers`` over tl, tl.core,
+# tl.tensor and tl.math, about 1.7 ms a call, which re-wraps nothing (the members it would wrap are wrappers
+# by then). smptk's kernels call helpers in their loops (spin-waits, tile copies), so this was about half of
+# the interpreter's time: the 2-rank collectives test job took 78 s with it and 46 s without it (triton 3.9,
+# 2 CPU cores). While a kernel of this thread runs, a helper whose globals see only language modules patched
+# since the kernel started skips the repeat; anything else goes to Triton's own function. Off with
+# SMPTK_INTERPRETER_FAST_CALLS=0; a Triton without this structure is left as it is.
+
+_kernel_langs = threading.local()  # .stack: per running kernel of this thread, the ids of the modules patched
+
+
+class _Unpatched:
+    """The scope of a skipped re-patch: nothing to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+class _KernelScope:
+    """The scope of a kernel's own patching: restoring it also ends the kernel's entry in the stack."""
+
+    def __init__(self, scope: Any, stack: list[frozenset[int]]):
+        self._scope, self._stack = scope, stack
+
+    def restore(self) -> None:
+        self._stack.pop()
+        self._scope.restore()
+
+
+def _skip_repatching_in_kernels(tl: Any) -> None:
+    """Wrap ``triton.runtime.interpreter._patch_lang`` as described above; once per process."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or getattr(patch, "smptk_wrapped", False):
+        return
+    languages = (tl, tl.core)
+
+    @functools.cache
+    def langs_of(fn: Any) -> frozenset[int]:  # the language modules a function's globals see
+        seen = fn.__globals__.values()
+        return frozenset(id(v) for v in seen if isinstance(v, ModuleType) and v in languages)
+
+    def patch_lang(fn: Any) -> Any:
+        stack = getattr(_kernel_langs, "stack", None)
+        if stack is None:
+            stack = _kernel_langs.stack = []
+        langs = langs_of(fn)
+        if stack and langs:  # a helper called inside a running kernel (none seen: Triton's own error)
+            if langs <= stack[-1]:
+                return _Unpatched()
+            stack[-1] = stack[-1] | langs  # Triton never restores a helper's patching: patched from here on
+            return patch(fn)
+        scope = patch(fn)
+        stack.append(langs)
+        return _KernelScope(scope, stack)
+
+    patch_lang.smptk_wrapped = True  # type: ignore[attr-defined]
+    patch_lang.triton_patch_lang = patch  # type: ignore[attr-defined]  # Triton's own, for tests
+    interpreter._patch_lang = patch_lang
 
 
 def __getattr__(name: str) -> Any:
