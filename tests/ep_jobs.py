@@ -32,6 +32,9 @@ World 4 (``init({"expert_parallel_degree": 2})``: dp_shard 4, ep 2, edp_shard 2)
   unsharded model on each rank's batch and stepping on the mean of the four losses (FSDP2 averages
   gradients over the 4 data-parallel ranks; the experts' divide factor makes theirs the same mean).
   Losses per step and every parameter after the steps within 1e-5 relative.
+- ``ep2_dp2_two_experts``: the same training with 2 experts: one per ``ep`` rank, fewer than the 2
+  ``edp_shard`` ranks, so FSDP2 shards the expert weights on dim 1 (``expert_shard_dim``), checked on
+  their placements; its DCP checkpoint loads into a plain EP1 module with the trained values.
 - ``ep2_hsdp2`` (last): the same training under ``init({"expert_parallel_degree": 2,
   "hybrid_shard_degree": 2})``: dp_replicate 2, dp_shard 2, ep 2 carved from dp_shard, edp_shard 1 (the
   experts replicated across the two replicas, the rest HSDP).
@@ -76,12 +79,12 @@ def _tokens(rank: int, rows: int, step: int = 0) -> tuple[torch.Tensor, torch.Te
 class Block(nn.Module):
     """``moe(relu(inp(x)))``: a dense layer ahead of the MoE, so FSDP2 has parameters of both kinds."""
 
-    def __init__(self, **moe_options) -> None:
+    def __init__(self, num_experts: int = E, **moe_options) -> None:
         super().__init__()
         from smptk.parallel import MoE
 
         self.inp = nn.Linear(H, H)
-        self.moe = MoE(H, F_, E, **moe_options)
+        self.moe = MoE(H, F_, num_experts, **moe_options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(torch.relu(self.inp(x)))
@@ -224,8 +227,16 @@ def _bad_input(state, problems: list[str]) -> None:
 # ------------------------------------------------------------------------------------------ world 4
 
 
-def _ep2_dp2(state, problems: list[str], tmpdir: str | None, mode: str = "full_shard") -> None:
-    """Three training steps under ``state`` against one process; saves the trained state under tmpdir."""
+def _ep2_dp2(
+    state,
+    problems: list[str],
+    tmpdir: str | None,
+    mode: str = "full_shard",
+    num_experts: int = E,
+    shard_dim: int = 0,
+) -> None:
+    """Three training steps under ``state`` against one process; saves the trained state under tmpdir.
+    ``shard_dim``: the dim FSDP2 must shard the expert weights on (over the expert mesh's last dp dim)."""
     import torch.distributed.checkpoint as dcp
 
     from smptk.parallel import apply_data_parallel, apply_expert_parallel
@@ -233,7 +244,7 @@ def _ep2_dp2(state, problems: list[str], tmpdir: str | None, mode: str = "full_s
     rank, world = state.rank, state.world_size
     opts = {"top_k": 2, "num_shared_experts": 1, "aux_loss_coef": 0.01}
     torch.manual_seed(0)
-    model = Block(**opts)
+    model = Block(num_experts, **opts)
     _spread_router(model)
     ref = copy.deepcopy(model)
     names = apply_expert_parallel(model, state)
@@ -242,6 +253,10 @@ def _ep2_dp2(state, problems: list[str], tmpdir: str | None, mode: str = "full_s
     model, report = apply_data_parallel(model, state)  # the rest over (dp_replicate, dp_shard)
     if report.mode != mode:
         problems.append(f"apply_data_parallel took mode {report.mode!r}, expected {mode!r}")
+    for name in ("w_gate", "w_up", "w_down"):
+        placements = tuple(getattr(model.moe.experts, name).placements)
+        if getattr(placements[-2], "dim", None) != shard_dim:  # edp_shard's: Shard, or _StridedShard on 0
+            problems.append(f"experts.{name}: FSDP2 placements {placements}, expected Shard({shard_dim})")
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
     rows = [4, 7, 5, 6]
@@ -268,9 +283,18 @@ def _ep2_dp2(state, problems: list[str], tmpdir: str | None, mode: str = "full_s
         _close(problems, f"{name} after 3 steps", p, ref_params[name])
     if tmpdir is None:
         return
-    dcp.save(model.state_dict(), checkpoint_id=os.path.join(tmpdir, "ep2dp2"))
+    tag = "" if num_experts == E else f"_e{num_experts}"
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(tmpdir, f"ep2dp2{tag}"))
     trained = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective: every rank
-    torch.save(trained, os.path.join(tmpdir, f"trained{rank}.pt"))
+    torch.save(trained, os.path.join(tmpdir, f"trained{tag}{rank}.pt"))
+    if num_experts != E:  # the dim-1 expert shards load into a plain module (EP1, no FSDP)
+        torch.manual_seed(9)
+        plain = Block(num_experts, **opts)
+        sd = plain.state_dict()
+        dcp.load(sd, checkpoint_id=os.path.join(tmpdir, f"ep2dp2{tag}"))
+        plain.load_state_dict(sd)
+        for name, p in plain.named_parameters():
+            _close(problems, f"EP2xDP2 (dim-1 experts) -> EP1 {name}", p, trained[name])
 
 
 def _dcp_reshard(state, problems: list[str], tmpdir: str) -> None:
@@ -298,7 +322,7 @@ def _dcp_reshard(state, problems: list[str], tmpdir: str) -> None:
 
 
 CASES_2 = ("style", "constructor", "checkpoint", "dcp", "bad_input")
-CASES_4 = ("ep2_dp2", "dcp_reshard", "ep2_hsdp2")
+CASES_4 = ("ep2_dp2", "dcp_reshard", "ep2_dp2_two_experts", "ep2_hsdp2")
 
 
 def run(rank: int, world: int, tmpdir: str) -> dict[str, str | None]:
@@ -317,6 +341,7 @@ def run(rank: int, world: int, tmpdir: str) -> dict[str, str | None]:
         "bad_input": lambda p: _bad_input(state, p),
         "ep2_dp2": lambda p: _ep2_dp2(state, p, tmpdir),
         "dcp_reshard": lambda p: _dcp_reshard(state, p, tmpdir),
+        "ep2_dp2_two_experts": lambda p: _ep2_dp2(state, p, tmpdir, num_experts=2, shard_dim=1),
         "ep2_hsdp2": lambda p: _ep2_dp2(
             sp.init({"expert_parallel_degree": 2, "hybrid_shard_degree": 2, "mixed_precision": "fp32"}),
             p,

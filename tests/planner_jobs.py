@@ -30,6 +30,7 @@ pytest process on a 1-rank gloo group, with ``SMPTK_KERNELS`` chosen per phase (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -56,7 +57,10 @@ MOE = ModelSpec(
     "validation-moe", **_SHAPE, num_experts=4, experts_per_token=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
 )  # fmt: skip
-SPECS = {"dense": DENSE, "moe": MOE}
+# Two experts: fewer per rank than the 4-rank (ep 1) or 2-rank (ep 2) shard group, so smptk shards them on
+# dim 1 (expert_parallel.expert_shard_dim), which the estimate must follow.
+MOE2 = dataclasses.replace(MOE, name="validation-moe2", num_experts=2)
+SPECS = {"dense": DENSE, "moe": MOE, "moe2": MOE2}
 
 
 def _case(
@@ -97,6 +101,8 @@ WORLD4 = {
     "tp2_fsdp2": _case("dense", "states", tensor_parallel_degree=2),
     "ep2_dp2": _case("moe", "states", expert_parallel_degree=2),
     "ep4": _case("moe", "states", expert_parallel_degree=4),
+    "fsdp4_moe2": _case("moe2", "states", hybrid_shard_degree=0),
+    "ep2_dp2_moe2": _case("moe2", "states", expert_parallel_degree=2),
 }
 CASES = {1: SINGLE, 2: WORLD2, 4: WORLD4}
 # The MoE layer runs smptk's Triton kernels on a GPU, and its PyTorch fallback keeps more for backward

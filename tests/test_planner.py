@@ -16,6 +16,7 @@ import json
 import pytest
 
 from smptk.cli import main
+from smptk.parallel.expert_parallel import expert_shard_dim
 from smptk.parallel.planner import (
     CLUSTERS,
     ModelSpec,
@@ -145,6 +146,21 @@ def test_expert_parallelism_divides_the_experts() -> None:
     ep2_hsdp = local_numel(TINY_MOE, {"tp": 1, "dp_shard": 2, "ep": 2, "edp_shard": 1})
     dense_hsdp = local_numel(TINY_MOE, {"tp": 1, "dp_shard": 2, "ep": 1, "edp_shard": 2})
     assert ep2_hsdp == dense_hsdp
+
+
+def test_fewer_experts_per_rank_than_shard_ranks_split_on_dim_1() -> None:
+    """8 experts on 16 ranks: whatever the ep / edp_shard split, rank 0 holds 1/16 of the experts (smptk
+    shards them on dim 1 when its experts do not divide by edp_shard), not a whole padded expert."""
+    experts = sum(t.numel for t in TINY_MOE.tensors() if t.split == "experts")
+    dense = local_numel(TINY_MOE, {"tp": 1, "dp_shard": 16, "ep": 8, "edp_shard": 2}) - experts // 16
+    for ep in (1, 2, 4, 8):
+        sizes = {"tp": 1, "dp_shard": 16, "ep": ep, "edp_shard": 16 // ep}
+        assert local_numel(TINY_MOE, sizes) == dense + experts // 16, sizes
+    # an odd dim 1 cannot split evenly (FSDP2 shards other dims only evenly): dim 0, padded
+    assert expert_shard_dim((1, 33, 64), 2) == 0
+    assert expert_shard_dim((1, 32, 64), 2) == 1
+    assert expert_shard_dim((6, 32, 64), 4) == 1  # 6 experts over 4 pads dim 0; 32 splits evenly
+    assert expert_shard_dim((8, 32, 64), 4) == 0
 
 
 def test_hsdp_shards_within_the_group_only() -> None:

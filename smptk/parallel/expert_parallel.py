@@ -25,6 +25,14 @@ that the ``ep`` dim leaves (FSDP2 builds the ``(..., ep)`` DTensor and hands the
 (EP1 included: plain tensors). :func:`apply_expert_parallel` does both for every MoE of a model under
 the state of :func:`smptk.parallel.init`.
 
+How FSDP2 shards the experts. FSDP2 shards dim 0 by default and pads it to a multiple of the shard ranks,
+so a rank holding fewer experts than its shard group would leave a whole expert on rank 0 and none on
+others (Mixtral 8x7B on 16 GPUs with ep 8: one expert per rank over 2 shard ranks, rank 0 keeping all of
+it). :func:`expert_shard_dim` picks dim 1 there when it divides evenly (FSDP2 shards other dims only
+evenly), and both :func:`apply_expert_parallel` and :func:`smptk.parallel.apply_data_parallel` (experts
+left to the blocks' units, ep 1) pass it to ``fully_shard`` as ``shard_placement_fn``; torchtitan makes
+the same choice. The memory planner counts the same placement.
+
 Gradient scale. An expert's gradient already sums the rows of all R ranks of its ``ep`` group (the
 all-to-all brings them), so FSDP2 over the ``(dp_replicate, edp_shard)`` ranks alone would divide it by
 ``dp / R`` where the dense parameters are divided by ``dp``: :func:`apply_expert_parallel` sets the
@@ -206,6 +214,41 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
+def expert_shard_dim(local_shape, shard: int) -> int:
+    """The dim FSDP2 shards a stacked expert tensor on (``[E_l, ...]``, this rank's experts) over ``shard``
+    ranks: 0 when the experts divide evenly, else 1 when that dim does (FSDP2 shards dims other than 0
+    only evenly), else 0 (FSDP2 pads it). 1-D tensors and one shard rank: 0.
+
+    Example::
+
+        >>> expert_shard_dim((4, 32, 64), 2), expert_shard_dim((1, 32, 64), 2), expert_shard_dim((3, 5, 7), 2)
+        (0, 1, 0)
+    """
+    shape = tuple(local_shape)
+    if shard <= 1 or len(shape) < 2 or shape[0] % shard == 0 or shape[1] % shard != 0:
+        return 0
+    return 1
+
+
+def expert_placement_fn(shard: int, params=None):
+    """A ``shard_placement_fn`` for ``fully_shard`` over ``shard`` ranks: ``Shard(expert_shard_dim(...))``
+    for expert tensors (those in ``params``, a set of ids; None: every parameter), None (FSDP2's default,
+    dim 0) for the others. A DTensor parameter (experts on ``ep``) is placed by its local shape."""
+
+    def place(param: torch.Tensor):
+        if params is not None and id(param) not in params:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_shard_dim(local.shape, shard))
+
+    return place
+
+
+def expert_parameter_ids(model: nn.Module) -> set[int]:
+    """The ids of the stacked expert tensors (every :class:`GroupedExperts`' own parameters) in ``model``."""
+    return {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
+
+
 def apply_expert_parallel(
     model: nn.Module,
     state=None,
@@ -218,10 +261,11 @@ def apply_expert_parallel(
 
     Each MoE's experts go on ``state.submesh("ep")`` (:class:`ExpertParallel`, in place); with
     ``fully_shard_experts`` each ``moe.experts`` then becomes its own FSDP2 unit over
-    ``state.expert_mesh["dp_replicate", "edp_shard"]`` with gradient divide factor ``dp`` (see the
-    module docstring; on gloo, which has no ``PREMUL_SUM``, a sum reduction and a separate scaling),
-    ``mp_policy`` (a ``MixedPrecisionPolicy``; None: the config's ``mixed_precision``, as
-    :func:`smptk.parallel.apply_data_parallel` gives the rest of the model) and ``reshard_after_forward``.
+    ``state.expert_mesh["dp_replicate", "edp_shard"]``, sharded on :func:`expert_shard_dim`, with
+    gradient divide factor ``dp`` (see the module docstring; on gloo, which has no ``PREMUL_SUM``, a sum
+    reduction and a separate scaling), ``mp_policy`` (a ``MixedPrecisionPolicy``; None: the config's
+    ``mixed_precision``, as :func:`smptk.parallel.apply_data_parallel` gives the rest of the model) and
+    ``reshard_after_forward``.
     Call it before sharding the rest of the model (``apply_data_parallel`` or ``fully_shard``: units go
     bottom-up, and the outer ones leave these parameters to their own unit). Returns the qualified names
     of the MoE modules converted.
@@ -253,6 +297,7 @@ def apply_expert_parallel(
                 mesh=edp_mesh,
                 mp_policy=policy,
                 reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=expert_placement_fn(state.sizes["edp_shard"]),
             )
             unit.set_gradient_divide_factor(float(state.sizes["dp"]))
             # A custom factor is NCCL's PREMUL_SUM; gloo reduces with SUM and scales after. Not when the
@@ -265,4 +310,12 @@ def apply_expert_parallel(
     return names
 
 
-__all__ = ["ExpertParallel", "apply_expert_parallel", "expert_major_order", "shard_experts"]
+__all__ = [
+    "ExpertParallel",
+    "apply_expert_parallel",
+    "expert_major_order",
+    "expert_parameter_ids",
+    "expert_placement_fn",
+    "expert_shard_dim",
+    "shard_experts",
+]

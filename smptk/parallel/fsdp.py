@@ -82,6 +82,7 @@ from smptk.comm.heap import same_host
 from smptk.kernels import runtime
 from smptk.kernels.heap_layout import MAX_WORLD
 from smptk.parallel.config import ParallelState, current
+from smptk.parallel.expert_parallel import expert_parameter_ids, expert_placement_fn
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -446,11 +447,18 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
     smptk_on, why_torch = _smptk_choice(use_smptk, blocker)
 
     units = [*select_units(model, modules), ("", model)]
+    placement = expert_placement_fn(state.sizes["dp_shard"], expert_parameter_ids(model))
     seen: set[int] = set()
     numels = [_numel(module, seen) for _, module in units]  # before fully_shard replaces the parameters
     reports = []
     for (name, module), numel in zip(units, numels, strict=True):  # bottom-up: children before parents
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            shard_placement_fn=placement,  # dim 0, except stacked experts (expert_parallel.expert_shard_dim)
+        )
         if smptk_on:
             calls: collections.Counter = collections.Counter()
             ag_sms = state.comm_max_sms

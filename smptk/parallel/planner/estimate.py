@@ -10,7 +10,9 @@ compute dtype's bytes (2 for bf16 / fp16, 4 for fp32). Bytes are those of the bu
 takes): column / row-parallel weights and the vocabulary over ``tp``, norms and routers replicated over
 ``tp``, routed experts over ``ep`` (replicated over ``tp``); then FSDP2 shards every tensor's dim 0 over
 ``dp_shard`` (experts over ``edp_shard``), padding it to a multiple of the shard count as FSDP2 does (rank
-0 holds ``ceil(dim0 / shard)`` rows); HSDP replicas (``dp_replicate``) hold copies. Under FSDP2 mixed
+0 holds ``ceil(dim0 / shard)`` rows), except stacked experts whose local count does not divide by
+``edp_shard``: smptk shards those on dim 1 when it divides (``expert_parallel.expert_shard_dim``); HSDP
+replicas (``dp_replicate``) hold copies. Under FSDP2 mixed
 precision (``MixedPrecisionPolicy(bf16, reduce fp32)``, :mod:`smptk.parallel.fsdp`) the sharded parameters
 stay fp32 (4 bytes: they are the master weights), their gradients are fp32 (4) and Adam keeps two fp32
 moments (8): 16 bytes per sharded parameter. The bf16 copies the usual "20 bytes per parameter" counts
@@ -96,6 +98,7 @@ from typing import Any
 
 from smptk.kernels.heap_layout import DATA_OFFSET
 from smptk.parallel.config import ParallelConfig
+from smptk.parallel.expert_parallel import expert_shard_dim
 from smptk.parallel.planner.clusters import Cluster
 from smptk.parallel.planner.clusters import cluster as _cluster
 from smptk.parallel.planner.models import ModelSpec, model_spec
@@ -351,7 +354,8 @@ def _rank0_numel(shape, split, tp_dim, sizes, fsdp: bool) -> int:
         shape[0] //= sizes["ep"]
     if fsdp:
         shard = sizes["edp_shard"] if split == "experts" else sizes["dp_shard"]
-        shape[0] = -(-shape[0] // shard)
+        dim = expert_shard_dim(shape, shard) if split == "experts" else 0  # as smptk places experts
+        shape[dim] = -(-shape[dim] // shard)
     return math.prod(shape)
 
 
