@@ -46,28 +46,17 @@ World 4 (``init({"expert_parallel_degree": 2})``: dp_shard 4, ep 2, edp_shard 2)
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import torch
 import torch.distributed as dist
+from helpers import compare_rel
 from torch import nn
 
 H, F_, E = 8, 12, 8
 REL = 1e-5
-
-
-def _close(problems: list[str], name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor
-
-    got, ref = (t.full_tensor() if isinstance(t, DTensor) else t for t in (got, ref))
-    got, ref = got.detach(), ref.detach()
-    if got.shape != ref.shape:
-        problems.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
-        return
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    err = (got - ref).abs().max().item() if ref.numel() else 0.0
-    if not err <= REL * scale + 1e-6:
-        problems.append(f"{name}: max |error| {err:.3g} > {REL} x {scale:.3g}")
+_close = functools.partial(compare_rel, rel=REL)
 
 
 def _tokens(rank: int, rows: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -275,6 +275,24 @@ def check_swiglu(
     return results
 
 
+def compare_rel(
+    problems: list[str], name: str, got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5, floor=1e-6
+) -> None:
+    """Append a line to ``problems`` unless ``max |got - ref| <= rel * max |ref| + floor`` and the shapes
+    agree (DTensors are compared whole, through ``full_tensor()``: a collective on their mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    got, ref = (t.full_tensor() if isinstance(t, DTensor) else t for t in (got, ref))
+    got, ref = got.detach().float(), ref.detach().float()
+    if got.shape != ref.shape:
+        problems.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+        return
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    if not err <= rel * scale + floor:
+        problems.append(f"{name}: max |error| {err:.3g} > {rel} x {scale:.3g}")
+
+
 @contextlib.contextmanager
 def fake_world(world: int, rank: int = 0) -> Iterator[None]:
     """This process as ``rank`` of ``world`` on torch's fake process-group backend (no-op collectives, real

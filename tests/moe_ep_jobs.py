@@ -21,13 +21,17 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from helpers import compare_rel
 
 from smptk.parallel import MoE
 
 H, F_, E = 12, 20, 8
 REL = 1e-4  # of the reference's largest value; see tests/test_moe_layer.py for why
+_compare = functools.partial(compare_rel, rel=REL)
 
 CASES = {
     "even": {"top_k": 2},
@@ -55,16 +59,6 @@ def _pair(world: int, rank: int, group: dist.ProcessGroup, **options) -> tuple[M
             if hasattr(full, name):
                 getattr(ep, name).copy_(getattr(full, name))
     return ep, full
-
-
-def _compare(problems: list[str], name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-    if got.shape != ref.shape:
-        problems.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
-        return
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    err = (got - ref).abs().max().item() if ref.numel() else 0.0
-    if not err <= REL * scale + 1e-6:
-        problems.append(f"{name}: max |error| {err:.3g} > {REL} x {scale:.3g}")
 
 
 def run_case(world: int, rank: int, name: str, options: dict) -> list[str]:

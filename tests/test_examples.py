@@ -5,6 +5,7 @@ CPU, which the script switches on itself), say which path ran, and pass its own 
 ``SMPTK_KERNELS=torch`` it must say that it compared PyTorch with itself.
 ``examples/parallel_llama.py`` runs under torchrun (gloo on a CPU): 4 processes at TP 2 x DP 2 train, save a
 checkpoint and resume it exactly, then 2 processes without TP resume that checkpoint and continue the run.
+``examples/transform_hf.py`` runs on 2 processes: a stock Mixtral transformed for EP 2 x FSDP 2 trains.
 """
 
 from __future__ import annotations
@@ -82,14 +83,14 @@ PARALLEL_LLAMA = ROOT / "examples" / "parallel_llama.py"
 _STEP = re.compile(r"^step\s+(\d+)\s+loss (\S+)$", re.M)
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(nproc: int, *args: str, script: Path = PARALLEL_LLAMA) -> subprocess.CompletedProcess[str]:
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         pytest.skip(f"{nproc} NCCL processes need {nproc} GPUs, this machine has {torch.cuda.device_count()}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("SMPTK_")}
     env.update(PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run(
-        [*cmd, str(PARALLEL_LLAMA), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [*cmd, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
 
 
@@ -132,3 +133,21 @@ def test_parallel_llama_resumes_its_checkpoint_under_another_config(llama_tp2_dp
     assert [s for s, _ in resumed] == [3, 4, 5], proc.stdout
     for s, v in resumed:
         assert v == pytest.approx(first[s], rel=1e-5, abs=0), (s, v, first[s], proc.stdout)
+
+
+# --- examples/transform_hf.py under torchrun ----------------------------------------------------------
+
+
+def test_transform_hf_trains_mixtral_with_expert_parallelism():
+    """2 processes, EP 2 x FSDP 2: a stock Mixtral's MoE blocks become smptk's, and the loss falls."""
+    hf = pytest.importorskip("transformers", reason="the example needs transformers (planner-tests extra)")
+    if int(hf.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {hf.__version__}: transform needs the stacked-experts layout of >= 5")
+    script = ROOT / "examples" / "transform_hf.py"
+    proc = _torchrun(2, "--model", "mixtral", "--ep", "2", "--steps", "6", script=script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "mixtral: sizes" in proc.stdout and "MoE layers 2" in proc.stdout, proc.stdout
+    assert "'ep': 2" in proc.stdout and "full_shard on fsdp2" in proc.stdout, proc.stdout
+    losses = _losses(proc.stdout)
+    assert [s for s, _ in losses] == list(range(6)), proc.stdout
+    assert losses[-1][1] < losses[0][1], proc.stdout

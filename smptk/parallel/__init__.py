@@ -34,6 +34,10 @@ DESIGN.md, "Public surface"); what is here today:
   :class:`ExpertParallel` splits a MoE's :class:`GroupedExperts` weights ``Shard(0)`` over the ``ep`` mesh
   and exchanges its rows; :func:`apply_expert_parallel` does it for every MoE of a model and makes each
   experts module an FSDP2 unit over ``(dp_replicate, edp_shard)``.
+- :func:`transform` (:mod:`smptk.parallel.transform`): a stock Hugging Face Llama, Mistral, Qwen2, Qwen3,
+  Mixtral or Qwen3-MoE model made parallel in place: MoE blocks become :class:`MoE`, then tensor, expert
+  and data parallelism and activation checkpointing as the config says (:class:`TransformReport`;
+  :func:`moe_aux_loss` for the MoE layers' load-balancing loss).
 """
 
 from smptk.parallel.checkpointing import ActivationOffloader, apply_activation_checkpointing
@@ -53,6 +57,7 @@ from smptk.parallel.loss import vocab_parallel_cross_entropy
 from smptk.parallel.moe import GroupedExperts, MoE
 from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
+from smptk.parallel.transform import TransformReport, moe_aux_loss, transform
 
 __all__ = [
     "ActivationOffloader",
@@ -68,6 +73,7 @@ __all__ = [
     "SmptkColwiseParallel",
     "SmptkRowwiseParallel",
     "SmptkVocabParallel",
+    "TransformReport",
     "VocabParallelEmbedding",
     "apply_activation_checkpointing",
     "apply_data_parallel",
@@ -79,7 +85,9 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "materialize",
+    "moe_aux_loss",
     "reset",
     "save_checkpoint",
+    "transform",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,291 @@
+"""``transform``: a stock Hugging Face causal LM made tensor-, expert- and sharded-data-parallel in place.
+
+Supported architectures (``model.config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
+(dense) and ``mixtral``, ``qwen3_moe`` (sparse MoE blocks with stacked experts, the layout of transformers
+5). The model is recognized by structure, as these architectures share it: ``model.model.embed_tokens``,
+``model.model.layers[i].self_attn.{q,k,v,o}_proj``, ``layers[i].mlp`` either dense
+(``{gate,up,down}_proj``) or a sparse block (``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2F, H]``,
+``experts.down_proj [E, H, F]``), and ``model.lm_head``. A base model (``LlamaModel``...) works too.
+
+What :func:`transform` does, under the :class:`~smptk.parallel.ParallelState` of ``config`` (or the
+current one), in the order a model is prepared:
+
+1. **MoE blocks become** :class:`smptk.parallel.MoE` (softmax router, top-k renormalized as the
+   architecture does, SwiGLU experts on smptk's grouped kernels) holding the block's weights: the router's
+   ``[E, H]``, ``gate_up_proj`` split into ``w_gate`` / ``w_up`` and ``down_proj`` as ``w_down``. The
+   block's output is the same function of its input. The load-balancing loss: with the model config's
+   ``output_router_logits``, each MoE keeps ``router_aux_loss_coef`` times smptk's loss in ``aux_loss``
+   (add :func:`moe_aux_loss` to the training loss) and the Hugging Face loss no longer adds its own (it
+   reads router logits the swapped blocks do not record).
+2. **Tensor parallelism** (``tensor_parallel_degree`` > 1), smptk's styles through torch's
+   ``parallelize_module``: q / k / v and the dense MLP's gate / up column-parallel, o and down
+   row-parallel, the embedding vocab-parallel, and ``lm_head`` column-parallel with its logits gathered
+   (full ``[..., V]`` logits on every rank, so the model's own loss and generation work unchanged; for a
+   loss that never materializes them, build with :func:`smptk.parallel.vocab_parallel_cross_entropy`
+   directly). Attention then runs on each rank's ``heads / tp`` heads (the architectures reshape with
+   ``-1`` heads). The MoE layers stay whole on every tp rank, as smptk's MoE is. Without sequence
+   parallelism: the architectures build their causal mask and rotary positions from the residual
+   stream's length, which sequence parallelism would split.
+3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
+4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
+   decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`.
+5. **Data parallelism**: :func:`~smptk.parallel.apply_data_parallel` with one FSDP2 unit per decoder layer
+   (or DDP for ``hybrid_shard_degree`` 1 where it applies).
+
+Checked up front, with the numbers in the message: the architecture, heads and KV heads divisible by the
+tensor-parallel degree (a split inside a head would be silently wrong), the MLP width, tied embeddings
+under tensor parallelism (not supported: the two layers would stop sharing one tensor), router jitter
+noise, non-SiLU experts.
+
+Example (every rank, under torchrun; tiny random model, no download)::
+
+    >>> import transformers, smptk.parallel as sp
+    >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+    ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.LlamaForCausalLM(cfg)
+    >>> model, report = sp.transform(model, {"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+    >>> report.tensor_parallel[:2]
+    ['model.embed_tokens', 'model.layers.0.self_attn.q_proj']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from smptk.parallel.config import ParallelState, current, init
+from smptk.parallel.moe import MoE
+
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+SUPPORTED = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+
+
+@dataclasses.dataclass
+class TransformReport:
+    """What :func:`transform` did on this rank.
+
+    Attributes:
+        architecture: the model's ``config.model_type``.
+        sizes: the state's mesh sizes (``tp``, ``ep``, ``dp_shard``...).
+        moe_layers: qualified names of the MoE blocks replaced by :class:`smptk.parallel.MoE`.
+        tensor_parallel: qualified names of the modules made tensor-parallel, in model order.
+        expert_parallel: the MoE layers made expert-parallel.
+        checkpointed: the decoder layers whose activations are checkpointed.
+        data_parallel: :func:`~smptk.parallel.apply_data_parallel`'s report.
+    """
+
+    architecture: str
+    sizes: dict
+    moe_layers: list
+    tensor_parallel: list
+    expert_parallel: list
+    checkpointed: list
+    data_parallel: Any
+
+
+def _decoder(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(prefix, base model)``: the module holding ``embed_tokens`` and ``layers``."""
+    for prefix, base in (("model.", getattr(model, "model", None)), ("", model)):
+        layers, embed = getattr(base, "layers", None), getattr(base, "embed_tokens", None)
+        if isinstance(layers, nn.ModuleList) and isinstance(embed, nn.Embedding):
+            return prefix, base
+    raise ValueError(
+        f"model: {type(model).__name__} has no embed_tokens + layers (a ModuleList) under .model or "
+        "itself: not one of the supported decoder layouts"
+    )
+
+
+def _is_sparse_block(mlp: nn.Module) -> bool:
+    experts = getattr(mlp, "experts", None)
+    return isinstance(getattr(getattr(mlp, "gate", None), "weight", None), torch.Tensor) and isinstance(
+        getattr(experts, "gate_up_proj", None), torch.Tensor
+    )
+
+
+def _is_dense_mlp(mlp: nn.Module | None) -> bool:
+    return all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _check(model: nn.Module, state: ParallelState) -> tuple[str, Any]:
+    cfg = getattr(model, "config", None)
+    arch = getattr(cfg, "model_type", None)
+    if arch not in SUPPORTED:
+        raise NotImplementedError(
+            f"model: config.model_type {arch!r} is not supported by smptk.parallel.transform; supported: "
+            f"{', '.join(SUPPORTED)}"
+        )
+    tp = state.sizes["tp"]
+    if tp > 1:
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            if value % tp:
+                raise ValueError(
+                    f"{arch}: config.{key} {value} is not divisible by tensor_parallel_degree {tp} "
+                    "(each rank computes whole heads)"
+                )
+        if getattr(cfg, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is not None:
+            raise NotImplementedError(
+                f"{arch}: tie_word_embeddings under tensor_parallel_degree {tp} is not supported (the "
+                "vocab-parallel embedding and the column-parallel head would stop sharing one tensor); "
+                "untie them or use tensor_parallel_degree 1"
+            )
+    return arch, cfg
+
+
+def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
+    """An smptk MoE holding ``block``'s weights (same device and dtype)."""
+    if getattr(cfg, "router_jitter_noise", 0.0):
+        raise NotImplementedError(
+            f"router_jitter_noise {cfg.router_jitter_noise}: smptk's MoE has no router jitter; set it to 0"
+        )
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act {act!r}: smptk's experts are SwiGLU (silu); got another")
+    gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
+    E, F2, H = gate_up.shape
+    F = F2 // 2
+    if down.shape != (E, H, F) or router.shape != (E, H):
+        raise ValueError(
+            f"MoE block: expected gate_up_proj [E, 2F, H], down_proj [E, H, F] and a router [E, H], got "
+            f"{tuple(gate_up.shape)}, {tuple(down.shape)} and {tuple(router.shape)}"
+        )
+    renormalize = bool(getattr(cfg, "norm_topk_prob", True))  # Mixtral always renormalizes
+    aux = getattr(cfg, "router_aux_loss_coef", 0.0) if getattr(cfg, "output_router_logits", False) else 0.0
+    moe = MoE(
+        H, F, E, int(cfg.num_experts_per_tok), score_func="softmax", renormalize=renormalize,
+        aux_loss_coef=float(aux), device=gate_up.device, dtype=gate_up.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        moe.router_weight.copy_(router)
+        moe.experts.w_gate.copy_(gate_up[:, :F])
+        moe.experts.w_up.copy_(gate_up[:, F:])
+        moe.experts.w_down.copy_(down)
+    return moe
+
+
+def _tp_plan(prefix: str, base: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
+    from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
+
+    plan: dict[str, Any] = {f"{prefix}embed_tokens": SmptkVocabParallel()}
+    for i, layer in enumerate(base.layers):
+        at = f"{prefix}layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{at}.self_attn.{name}"] = SmptkColwiseParallel()
+        plan[f"{at}.self_attn.o_proj"] = SmptkRowwiseParallel()
+        if not isinstance(layer.mlp, MoE):
+            plan[f"{at}.mlp.gate_proj"] = SmptkColwiseParallel()
+            plan[f"{at}.mlp.up_proj"] = SmptkColwiseParallel()
+            plan[f"{at}.mlp.down_proj"] = SmptkRowwiseParallel()
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        plan["lm_head"] = SmptkColwiseParallel(gather_output=True)
+    return plan
+
+
+def transform(
+    model: nn.Module,
+    config: Any = None,
+    *,
+    state: ParallelState | None = None,
+    use_smptk_collectives: str | bool = "auto",
+) -> tuple[nn.Module, TransformReport]:
+    """Make a supported Hugging Face model parallel in place (see the module docstring).
+
+    Collective: every rank calls it with the same model (same weights: the tensor-parallel shards and the
+    experts are cut from group rank 0's) after ``torch.distributed.init_process_group``.
+
+    Args:
+        model: a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+            ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or their base models, on the state's device.
+        config: a ParallelConfig, dict or JSON path: :func:`smptk.parallel.init` runs with it. None: the
+            ``state`` given, or the current one.
+        state: a ParallelState to use (give ``config`` or ``state``, not both).
+        use_smptk_collectives: passed to :func:`~smptk.parallel.apply_data_parallel`.
+
+    Returns:
+        ``(module, report)``: the module to train (``model`` itself, now an FSDPModule, or a DDP wrapper)
+        and the :class:`TransformReport`.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from smptk.parallel.checkpointing import apply_activation_checkpointing
+    from smptk.parallel.expert_parallel import apply_expert_parallel
+    from smptk.parallel.fsdp import apply_data_parallel
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a Hugging Face nn.Module, got {type(model).__name__}")
+    if config is not None and state is not None:
+        raise ValueError("config, state: give at most one (config builds a new state)")
+    if config is not None:
+        state = init(config)
+    elif state is None:
+        state = current()
+    arch, cfg = _check(model, state)
+    prefix, base = _decoder(model)
+
+    moe_layers = []
+    for i, layer in enumerate(base.layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and _is_sparse_block(mlp):
+            layer.mlp = _swap_moe(mlp, cfg)
+            moe_layers.append(f"{prefix}layers.{i}.mlp")
+        elif not _is_dense_mlp(mlp):
+            hf = sys.modules.get("transformers")
+            raise NotImplementedError(
+                f"{arch}: layer {i} has neither a dense MLP (gate/up/down_proj) nor a sparse MoE block with "
+                f"stacked experts (gate_up_proj [E, 2F, H], the layout of transformers >= 5; installed: "
+                f"{getattr(hf, '__version__', 'unknown')})"
+            )
+    if moe_layers and getattr(cfg, "output_router_logits", False):
+        cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
+
+    tensor_parallel: list[str] = []
+    if state.sizes["tp"] > 1:
+        plan = _tp_plan(prefix, base, model)
+        parallelize_module(model, state.submesh("tp"), plan)
+        tensor_parallel = list(plan)
+    expert_parallel = apply_expert_parallel(model, state) if moe_layers and state.sizes["ep"] > 1 else []
+    if state.sizes["ep"] > 1 and not moe_layers:
+        raise ValueError(f"expert_parallel_degree {state.sizes['ep']}: {arch} model has no MoE layers")
+
+    layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
+    checkpointed = apply_activation_checkpointing(model, state, modules=layers)
+    module, dp_report = apply_data_parallel(
+        model, state, modules=layers, use_smptk_collectives=use_smptk_collectives
+    )
+    report = TransformReport(
+        architecture=arch,
+        sizes=dict(state.sizes),
+        moe_layers=moe_layers,
+        tensor_parallel=tensor_parallel,
+        expert_parallel=expert_parallel,
+        checkpointed=checkpointed,
+        data_parallel=dp_report,
+    )
+    return module, report
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """The sum of every smptk MoE layer's ``aux_loss`` from the last forward (0-d fp32; zero without MoE
+    layers or auxiliary coefficients): add it to the training loss of a transformed MoE model."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    if not losses:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else None
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([loss.float() for loss in losses]).sum()
+
+
+__all__ = [
+    "DENSE_ARCHITECTURES",
+    "MOE_ARCHITECTURES",
+    "SUPPORTED",
+    "TransformReport",
+    "moe_aux_loss",
+    "transform",
+]

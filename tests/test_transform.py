@@ -1,0 +1,159 @@
+"""smptk.parallel.transform on Hugging Face models (tiny random ones built from configs, no download).
+
+In process (a 1-rank gloo group): every supported architecture, transformed under a 1-rank state with
+full activation checkpointing, gives the Hugging Face model's logits, loss and parameter gradients (MoE
+weights mapped back to the Hugging Face layout); the MoE swap keeps the router's renormalization rule;
+``output_router_logits`` moves the load-balancing coefficient to smptk's MoE (:func:`moe_aux_loss`); a
+MoE block in another layout is refused with the installed version in the message.
+
+Multi-rank: one 2-rank gloo job (``transform_jobs.py``, where each case is described): tensor parallelism
+on Llama, Qwen2 (biases) and Mixtral, full sharding, expert parallelism, two training steps each against
+the Hugging Face model in one process; and every bad input with its message.
+
+Needs transformers (the ``planner-tests`` extra); the MoE architectures need the stacked-experts layout of
+transformers >= 5.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers",
+    reason="transform works on Hugging Face models: install the planner-tests extra (make test installs it "
+    "where a package index is reachable)",
+)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transform_jobs as jobs  # noqa: E402
+from comm_harness import JobResult, run_ranks  # noqa: E402
+from torch import nn  # noqa: E402
+
+import smptk.parallel as sp  # noqa: E402
+
+STACKED_EXPERTS = int(transformers.__version__.split(".")[0]) >= 5
+OLD_LAYOUT = f"transformers {transformers.__version__} keeps MoE experts as modules; transform needs >= 5"
+ALL = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+
+
+def _build(kind: str, **overrides) -> nn.Module:
+    if kind in ("mistral", "qwen3"):
+        torch.manual_seed(0)
+        opts = {**jobs._COMMON, **overrides}
+        config = transformers.MistralConfig(**opts) if kind == "mistral" else transformers.Qwen3Config(**opts)
+        cls = transformers.MistralForCausalLM if kind == "mistral" else transformers.Qwen3ForCausalLM
+        return cls(config).float()
+    return jobs.build(kind, **overrides)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        pytest.skip("a process group of more than one rank is already initialized in this process")
+    yield
+    sp.reset()
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_one_rank_transform_keeps_the_model(one_rank, monkeypatch, kind: str) -> None:
+    if kind in jobs.MOE_KINDS and not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    model = _build(kind)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(1))
+    config = {"mixed_precision": "fp32", "activation_checkpointing": "full"}
+    module, report = sp.transform(model, config)
+    assert report.architecture == kind
+    assert report.checkpointed == ["model.layers.0", "model.layers.1"]
+    assert report.moe_layers == (
+        ["model.layers.0.mlp", "model.layers.1.mlp"] if kind in jobs.MOE_KINDS else []
+    )
+    assert all(isinstance(m, sp.MoE) for m in module.modules() if type(m).__name__.endswith("SparseMoeBlock"))
+    out, want = module(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    grads = jobs.hf_named_grads(module)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_renormalization_follows_the_architecture(one_rank) -> None:
+    if not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    mixtral, _ = sp.transform(jobs.build("mixtral"), {"mixed_precision": "fp32"})
+    qwen, _ = sp.transform(jobs.build("qwen3_moe"), {"mixed_precision": "fp32"})  # norm_topk_prob False
+    assert {m.renormalize for m in mixtral.modules() if isinstance(m, sp.MoE)} == {True}
+    assert {m.renormalize for m in qwen.modules() if isinstance(m, sp.MoE)} == {False}
+
+
+def test_router_aux_loss_moves_to_smptk(one_rank, monkeypatch) -> None:
+    if not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    model = jobs.build("mixtral", output_router_logits=True, router_aux_loss_coef=0.05)
+    module, _ = sp.transform(model, {"mixed_precision": "fp32"})
+    assert model.config.output_router_logits is False
+    assert {m.aux_loss_coef for m in module.modules() if isinstance(m, sp.MoE)} == {0.05}
+    ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(2))
+    out = module(ids, labels=ids)
+    aux = sp.moe_aux_loss(module)
+    assert aux.dim() == 0 and aux.item() > 0 and aux.requires_grad
+    (out.loss + aux).backward()
+    assert module.model.layers[0].mlp.router_weight.grad.abs().sum() > 0
+    dense, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
+    assert sp.moe_aux_loss(dense).item() == 0.0
+
+
+def test_moe_block_in_another_layout_is_refused(one_rank) -> None:
+    model = jobs.build("llama")
+    model.config.model_type = "mixtral"
+
+    class ModuleListExperts(nn.Module):  # transformers 4's layout: experts as a ModuleList, no gate_proj
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(32, 4, bias=False)
+            self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    model.model.layers[1].mlp = ModuleListExperts()
+    with pytest.raises(NotImplementedError, match=r"layer 1 has neither a dense MLP.*installed: "):
+        sp.transform(model, {"mixed_precision": "fp32"})
+
+
+def test_unsupported_architecture_lists_the_supported(one_rank) -> None:
+    with pytest.raises(
+        NotImplementedError, match="supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"
+    ):
+        sp.transform(nn.Linear(2, 2), {"mixed_precision": "fp32"})
+
+
+# ------------------------------------------------------------------------------------------ multi-rank
+
+_job: list[JobResult] = []
+
+
+def job() -> JobResult:
+    if not _job:
+        _job.append(run_ranks("transform_jobs:run", 2, timeout_s=300, env={"TRITON_INTERPRET": "0"}))
+    return _job[0]
+
+
+@pytest.mark.parametrize("case", list(jobs.CASES))
+def test_two_ranks(case: str) -> None:
+    if case in jobs.MOE_CASES and not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    result = job()
+    result.raise_for_failure()
+    problems = [f"rank {r}: {v[case]}" for r, v in enumerate(result.values) if v[case] is not None]
+    assert not problems, "\n".join(problems)

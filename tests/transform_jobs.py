@@ -1,0 +1,194 @@
+"""The multi-rank side of ``tests/test_transform.py``: ``smptk.parallel.transform`` on Hugging Face models.
+
+One 2-rank gloo job runs every case (``TRITON_INTERPRET=0`` and ``SMPTK_KERNELS=torch``: the PyTorch
+kernel path and torch.distributed's collectives; the kernels and smptk's collectives are tested on their
+own). Every model is a tiny random one built from a config (no download), fp32, with every rank drawing
+the same weights, so each rank can run the unsharded Hugging Face model as its reference. Each training
+case takes two SGD (momentum) steps and compares the loss of each step and every parameter after them
+(``full_tensor()``, MoE weights mapped back to the Hugging Face layout) with the reference within 1e-5
+relative:
+
+- ``tp2_llama`` (tensor_parallel_degree 2, full activation checkpointing): both ranks feed the same batch
+  (data is replicated over ``tp``); logits equal the reference's, loss from the model's own ``labels``.
+- ``tp2_qwen2``: q / k / v biases split with their weights; logits and loss equal.
+- ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
+- ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
+- ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
+- ``bad_input``: heads not divisible by tp, tied embeddings under tp, an unsupported architecture,
+  expert parallelism on a dense model, config and state together.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+from comm_checks import expect_raises
+from helpers import compare_rel
+
+REL = 1e-5
+VOCAB, SEQ = 96, 9
+_close = functools.partial(compare_rel, rel=REL)
+_COMMON = {
+    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def build(kind: str, **overrides):
+    """A tiny random Hugging Face causal LM of architecture ``kind`` (seeded: every rank the same)."""
+    import transformers
+
+    torch.manual_seed(0)
+    opts = {**_COMMON, **overrides}
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**opts))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**opts))
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(**opts, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            **opts, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False
+        )
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # HF initializes biases and routers to zero / tiny values: make them matter
+        for name, p in model.named_parameters():
+            if "bias" in name or "gate.weight" in name or "experts" in name:
+                p.normal_(0, 0.3)
+    return model.float()
+
+
+def hf_named(model, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) as a full tensor under its Hugging Face name (smptk MoE weights
+    mapped back to ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        out[name] = t.detach()
+    for name in [n for n in out if n.endswith("experts.w_gate")]:
+        at = name[: -len("w_gate")]
+        out[at + "gate_up_proj"] = torch.cat([out.pop(at + "w_gate"), out.pop(at + "w_up")], dim=1)
+        out[at + "down_proj"] = out.pop(at + "w_down")
+        out[at[: -len("experts.")] + "gate.weight"] = out.pop(at[: -len("experts.")] + "router_weight")
+    return out
+
+
+def hf_named_grads(model) -> dict[str, torch.Tensor]:
+    return hf_named(model, grads=True)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+
+
+def _train(problems: list[str], kind: str, config: dict, *, same_batch: bool, **overrides) -> None:
+    """Two SGD steps of the transformed model against the Hugging Face model in this process."""
+    import smptk.parallel as sp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(kind, **overrides)
+    ref = copy.deepcopy(model)
+    module, report = sp.transform(model, {"mixed_precision": "fp32", **config})
+    if not report.checkpointed and config.get("activation_checkpointing", "none") != "none":
+        problems.append("no decoder layer checkpointed")
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ranks = [0] if same_batch else list(range(world))
+    for step in range(2):
+        ids = _batch(0 if same_batch else rank, step)
+        out = module(ids, labels=ids)
+        loss = out.loss + sp.moe_aux_loss(module)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= world
+        ref_loss = 0.0
+        for r in ranks:
+            rid = _batch(r, step)
+            ref_out = ref(rid, labels=rid)
+            ref_loss = ref_loss + ref_out.loss / len(ranks)
+            if step == 0 and r == (0 if same_batch else rank):
+                _close(problems, f"logits step {step}", out.logits, ref_out.logits)
+        ref_loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        _close(problems, f"loss step {step}", mean, ref_loss)
+    got, want = hf_named(module), dict(ref.named_parameters())
+    if set(got) != set(want):
+        problems.append(f"parameter names differ: {sorted(set(got) ^ set(want))}")
+        return
+    for name, p in want.items():
+        _close(problems, f"{name} after 2 steps", got[name], p)
+
+
+def _bad_input(problems: list[str]) -> None:
+    import transformers
+
+    import smptk.parallel as sp
+
+    fp32 = {"mixed_precision": "fp32"}
+    tp2 = {**fp32, "tensor_parallel_degree": 2}
+    cases = [
+        (lambda: sp.transform(build("llama", num_attention_heads=2, num_key_value_heads=1), tp2),
+         ValueError, "num_key_value_heads 1 is not divisible by tensor_parallel_degree 2"),
+        (lambda: sp.transform(build("llama", tie_word_embeddings=True), tp2),
+         NotImplementedError, "tie_word_embeddings"),
+        (lambda: sp.transform(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16,
+                                                                                   n_head=2)), fp32),
+         NotImplementedError, "'gpt2' is not supported"),
+        (lambda: sp.transform(build("llama"), {**fp32, "expert_parallel_degree": 2}),
+         ValueError, "has no MoE layers"),
+        (lambda: sp.transform(build("llama"), fp32, state=sp.current()), ValueError, "at most one"),
+        (lambda: sp.transform("model", fp32), TypeError, "nn.Module"),
+    ]  # fmt: skip
+    for i, (call, kind, text) in enumerate(cases):
+        problem = expect_raises(call, kind, text)
+        if problem is not None:
+            problems.append(f"bad input {i}: {problem}")
+
+
+MOE_KINDS = ("mixtral", "qwen3_moe")
+MOE_CASES = ("tp2_mixtral", "ep2_mixtral")
+CASES = {
+    "tp2_llama": lambda p: _train(
+        p, "llama", {"tensor_parallel_degree": 2, "activation_checkpointing": "full"}, same_batch=True
+    ),
+    "tp2_qwen2": lambda p: _train(p, "qwen2", {"tensor_parallel_degree": 2}, same_batch=True),
+    "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
+    "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
+    "ep2_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False),
+    "bad_input": _bad_input,
+}
+
+
+def run(rank: int, world: int) -> dict[str, str | None]:
+    """Every case on this rank: {case: None or the problems}."""
+    os.environ["SMPTK_KERNELS"] = "torch"
+    import transformers
+
+    import smptk.parallel as sp
+
+    stacked = int(transformers.__version__.split(".")[0]) >= 5  # else the test skips the MoE cases
+    out: dict[str, str | None] = {}
+    for name, case in CASES.items():
+        if name in MOE_CASES and not stacked:
+            out[name] = None
+            continue
+        problems: list[str] = []
+        case(problems)
+        out[name] = "\n".join(problems) or None
+    sp.reset()
+    return out
