@@ -11,10 +11,12 @@ relative:
 - ``tp2_llama`` (tensor_parallel_degree 2, full activation checkpointing): both ranks feed the same batch
   (data is replicated over ``tp``); logits equal the reference's, loss from the model's own ``labels``.
 - ``tp2_qwen2``: q / k / v biases split with their weights; logits and loss equal.
+- ``tp2_qwen3``: Qwen3's per-head q / k norms, whose weight gradients must be summed over ``tp``.
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
-- ``bad_input``: heads not divisible by tp, tied embeddings under tp, an unsupported architecture,
+- ``bad_input``: heads not divisible by tp, tied embeddings under tp, an attention parameter with no
+  tensor-parallel split, an unsupported architecture,
   expert parallelism on a dense model, config and state together.
 """
 
@@ -48,6 +50,10 @@ def build(kind: str, **overrides):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**opts))
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**opts))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**opts))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**opts))
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(**opts, num_local_experts=4, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(cfg)
@@ -60,7 +66,7 @@ def build(kind: str, **overrides):
         raise ValueError(kind)
     with torch.no_grad():  # HF initializes biases and routers to zero / tiny values: make them matter
         for name, p in model.named_parameters():
-            if "bias" in name or "gate.weight" in name or "experts" in name:
+            if "bias" in name or "gate.weight" in name or "experts" in name or "_norm" in name:
                 p.normal_(0, 0.3)
     return model.float()
 
@@ -134,6 +140,12 @@ def _train(problems: list[str], kind: str, config: dict, *, same_batch: bool, **
         _close(problems, f"{name} after 2 steps", got[name], p)
 
 
+def _with_sinks(model):
+    """An attention parameter transform has no split for (as gpt-oss's attention sinks would be)."""
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    return model
+
+
 def _bad_input(problems: list[str]) -> None:
     import transformers
 
@@ -149,6 +161,8 @@ def _bad_input(problems: list[str]) -> None:
         (lambda: sp.transform(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16,
                                                                                    n_head=2)), fp32),
          NotImplementedError, "'gpt2' is not supported"),
+        (lambda: sp.transform(_with_sinks(build("llama")), tp2),
+         NotImplementedError, "does not know how to split under tensor parallelism: ['sinks']"),
         (lambda: sp.transform(build("llama"), {**fp32, "expert_parallel_degree": 2}),
          ValueError, "has no MoE layers"),
         (lambda: sp.transform(build("llama"), fp32, state=sp.current()), ValueError, "at most one"),
@@ -167,6 +181,7 @@ CASES = {
         p, "llama", {"tensor_parallel_degree": 2, "activation_checkpointing": "full"}, same_batch=True
     ),
     "tp2_qwen2": lambda p: _train(p, "qwen2", {"tensor_parallel_degree": 2}, same_batch=True),
+    "tp2_qwen3": lambda p: _train(p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
     "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
     "ep2_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False),
@@ -174,8 +189,8 @@ CASES = {
 }
 
 
-def run(rank: int, world: int) -> dict[str, str | None]:
-    """Every case on this rank: {case: None or the problems}."""
+def run(rank: int, world: int, only: tuple[str, ...] | None = None) -> dict[str, str | None]:
+    """Every case (or those in ``only``) on this rank: {case: None or the problems}."""
     os.environ["SMPTK_KERNELS"] = "torch"
     import transformers
 
@@ -184,6 +199,8 @@ def run(rank: int, world: int) -> dict[str, str | None]:
     stacked = int(transformers.__version__.split(".")[0]) >= 5  # else the test skips the MoE cases
     out: dict[str, str | None] = {}
     for name, case in CASES.items():
+        if only is not None and name not in only:
+            continue
         if name in MOE_CASES and not stacked:
             out[name] = None
             continue

@@ -23,7 +23,9 @@ current one), in the order a model is prepared:
    (full ``[..., V]`` logits on every rank, so the model's own loss and generation work unchanged; for a
    loss that never materializes them, build with :func:`smptk.parallel.vocab_parallel_cross_entropy`
    directly). Attention then runs on each rank's ``heads / tp`` heads (the architectures reshape with
-   ``-1`` heads). The MoE layers stay whole on every tp rank, as smptk's MoE is. Without sequence
+   ``-1`` heads); Qwen3's per-head q / k norms get their weight gradients summed over ``tp`` (their
+   weights become Replicate DTensors, their input sharded on the heads dim). The MoE layers stay whole
+   on every tp rank, as smptk's MoE is. Without sequence
    parallelism: the architectures build their causal mask and rotary positions from the residual
    stream's length, which sequence parallelism would split.
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
@@ -63,6 +65,7 @@ from smptk.parallel.moe import MoE
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 SUPPORTED = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
 @dataclasses.dataclass
@@ -170,6 +173,8 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
 
 
 def _tp_plan(prefix: str, base: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
 
     plan: dict[str, Any] = {f"{prefix}embed_tokens": SmptkVocabParallel()}
@@ -178,6 +183,19 @@ def _tp_plan(prefix: str, base: nn.Module, model: nn.Module) -> dict[str, nn.Mod
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{at}.self_attn.{name}"] = SmptkColwiseParallel()
         plan[f"{at}.self_attn.o_proj"] = SmptkRowwiseParallel()
+        # Qwen3's per-head RMSNorms see only this rank's heads: their weights become Replicate DTensors and
+        # their input a Shard(2) (heads) DTensor, so autograd sums the weight gradients over tp.
+        for name in ("q_norm", "k_norm"):
+            if isinstance(getattr(layer.self_attn, name, None), nn.Module):
+                plan[f"{at}.self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        extra = [
+            n for n, _ in layer.self_attn.named_parameters() if n.split(".")[0] not in _ATTENTION_MODULES
+        ]
+        if extra:
+            raise NotImplementedError(
+                f"{at}.self_attn has parameters transform does not know how to split under tensor "
+                f"parallelism: {extra}"
+            )
         if not isinstance(layer.mlp, MoE):
             plan[f"{at}.mlp.gate_proj"] = SmptkColwiseParallel()
             plan[f"{at}.mlp.up_proj"] = SmptkColwiseParallel()
