@@ -12,11 +12,14 @@ relative:
   (data is replicated over ``tp``); logits equal the reference's, loss from the model's own ``labels``.
 - ``tp2_qwen2``: q / k / v biases split with their weights; logits and loss equal.
 - ``tp2_qwen3``: Qwen3's per-head q / k norms, whose weight gradients must be summed over ``tp``.
+- ``tp2_sp_llama``, ``tp2_sp_qwen3``: the same with ``sequence_parallel=True`` (sequence length 10): the
+  residual stream split along the sequence, the norms' weight gradients summed over ``tp``.
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
 - ``bad_input``: heads not divisible by tp, tied embeddings under tp, an attention parameter with no
-  tensor-parallel split, an unsupported architecture,
+  tensor-parallel split, sequence parallelism with MoE, without a head, on an odd sequence or not a
+  bool, an unsupported architecture,
   expert parallelism on a dense model, config and state together.
 """
 
@@ -93,26 +96,34 @@ def hf_named_grads(model) -> dict[str, torch.Tensor]:
     return hf_named(model, grads=True)
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
+def _batch(rank: int, step: int, seq: int = SEQ) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    return torch.randint(0, VOCAB, (2, seq), generator=gen)
 
 
-def _train(problems: list[str], kind: str, config: dict, *, same_batch: bool, **overrides) -> None:
-    """Two SGD steps of the transformed model against the Hugging Face model in this process."""
+def _train(
+    problems: list[str], kind: str, config: dict, *, same_batch: bool, sp_: bool = False, **overrides
+) -> None:
+    """Two SGD steps of the transformed model against the Hugging Face model in this process
+    (``sp_``: sequence parallelism, on an even sequence length)."""
     import smptk.parallel as sp
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    seq = SEQ + 1 if sp_ else SEQ
     model = build(kind, **overrides)
     ref = copy.deepcopy(model)
-    module, report = sp.transform(model, {"mixed_precision": "fp32", **config})
+    module, report = sp.transform(model, {"mixed_precision": "fp32", **config}, sequence_parallel=sp_)
+    seen: list[int] = []  # the tokens a norm inside the layers sees: seq / tp under sequence parallelism
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(  # its input: a DTensor under SP
+        lambda m, args, out: seen.append(getattr(args[0], "_local_tensor", args[0]).shape[1])
+    )
     if not report.checkpointed and config.get("activation_checkpointing", "none") != "none":
         problems.append("no decoder layer checkpointed")
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ranks = [0] if same_batch else list(range(world))
     for step in range(2):
-        ids = _batch(0 if same_batch else rank, step)
+        ids = _batch(0 if same_batch else rank, step, seq)
         out = module(ids, labels=ids)
         loss = out.loss + sp.moe_aux_loss(module)
         loss.backward()
@@ -123,7 +134,7 @@ def _train(problems: list[str], kind: str, config: dict, *, same_batch: bool, **
         mean /= world
         ref_loss = 0.0
         for r in ranks:
-            rid = _batch(r, step)
+            rid = _batch(r, step, seq)
             ref_out = ref(rid, labels=rid)
             ref_loss = ref_loss + ref_out.loss / len(ranks)
             if step == 0 and r == (0 if same_batch else rank):
@@ -132,12 +143,19 @@ def _train(problems: list[str], kind: str, config: dict, *, same_batch: bool, **
         opt_ref.step()
         opt_ref.zero_grad()
         _close(problems, f"loss step {step}", mean, ref_loss)
+    tp = config.get("tensor_parallel_degree", 1)
+    if seen[0] != (seq // tp if sp_ else seq):
+        problems.append(f"layer 0's norm saw {seen[0]} of {seq} tokens (tp {tp}, sequence_parallel {sp_})")
     got, want = hf_named(module), dict(ref.named_parameters())
     if set(got) != set(want):
         problems.append(f"parameter names differ: {sorted(set(got) ^ set(want))}")
         return
     for name, p in want.items():
         _close(problems, f"{name} after 2 steps", got[name], p)
+
+
+def _odd_sequence(model) -> None:
+    model(torch.zeros(1, SEQ, dtype=torch.int64))  # SEQ is odd
 
 
 def _with_sinks(model):
@@ -163,6 +181,13 @@ def _bad_input(problems: list[str]) -> None:
          NotImplementedError, "'gpt2' is not supported"),
         (lambda: sp.transform(_with_sinks(build("llama")), tp2),
          NotImplementedError, "does not know how to split under tensor parallelism: ['sinks']"),
+        (lambda: sp.transform(build("mixtral"), tp2, sequence_parallel=True),
+         NotImplementedError, "sequence_parallel with mixtral's MoE layers"),
+        (lambda: sp.transform(build("llama").model, tp2, sequence_parallel=True),
+         NotImplementedError, "sequence_parallel needs the causal LM head"),
+        (lambda: _odd_sequence(sp.transform(build("llama"), tp2, sequence_parallel=True)[0]),
+         ValueError, "divisible by tensor_parallel_degree 2"),
+        (lambda: sp.transform(build("llama"), tp2, sequence_parallel="yes"), TypeError, "sequence_parallel"),
         (lambda: sp.transform(build("llama"), {**fp32, "expert_parallel_degree": 2}),
          ValueError, "has no MoE layers"),
         (lambda: sp.transform(build("llama"), fp32, state=sp.current()), ValueError, "at most one"),
@@ -182,6 +207,14 @@ CASES = {
     ),
     "tp2_qwen2": lambda p: _train(p, "qwen2", {"tensor_parallel_degree": 2}, same_batch=True),
     "tp2_qwen3": lambda p: _train(p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True),
+    "tp2_sp_llama": lambda p: _train(
+        p,
+        "llama",
+        {"tensor_parallel_degree": 2, "activation_checkpointing": "full"},
+        same_batch=True,
+        sp_=True,
+    ),
+    "tp2_sp_qwen3": lambda p: _train(p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
     "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
     "ep2_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False),

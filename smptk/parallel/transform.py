@@ -25,9 +25,12 @@ current one), in the order a model is prepared:
    directly). Attention then runs on each rank's ``heads / tp`` heads (the architectures reshape with
    ``-1`` heads); Qwen3's per-head q / k norms get their weight gradients summed over ``tp`` (their
    weights become Replicate DTensors, their input sharded on the heads dim). The MoE layers stay whole
-   on every tp rank, as smptk's MoE is. Without sequence
-   parallelism: the architectures build their causal mask and rotary positions from the residual
-   stream's length, which sequence parallelism would split.
+   on every tp rank, as smptk's MoE is. With ``sequence_parallel=True`` (dense models) the residual
+   stream between the layers is split along the sequence: the first layer takes this rank's part of the
+   embedding output (the model computed its causal mask and rotary positions from the full sequence
+   first), the norms run on it with their weight gradients summed over ``tp``, the attention and the MLP
+   each gather the sequence once at their input (one all-gather for q / k / v together, one for gate /
+   up), their row-parallel output layer reduce-scatters it, and the head gathers it back.
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
 4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
    decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`.
@@ -172,22 +175,31 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
     return moe
 
 
-def _tp_plan(prefix: str, base: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
+def _tp_plan(prefix: str, base: nn.Module, model: nn.Module, sp: bool) -> dict[str, nn.Module]:
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
 
+    def row():
+        return SmptkRowwiseParallel(sequence_parallel=sp)
+
+    def norm(dim: int = 1):  # a replicated weight over a sharded input: its gradient summed over tp
+        return SequenceParallel(sequence_dim=dim, use_local_output=True)
+
     plan: dict[str, Any] = {f"{prefix}embed_tokens": SmptkVocabParallel()}
     for i, layer in enumerate(base.layers):
         at = f"{prefix}layers.{i}"
+        # Under sequence parallelism the attention and the MLP gather the sequence once at their input
+        # (the architectures view q / k / v with their input's length), so the column-parallel layers
+        # inside take the full sequence; the row-parallel ones reduce-scatter it again.
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{at}.self_attn.{name}"] = SmptkColwiseParallel()
-        plan[f"{at}.self_attn.o_proj"] = SmptkRowwiseParallel()
+        plan[f"{at}.self_attn.o_proj"] = row()
         # Qwen3's per-head RMSNorms see only this rank's heads: their weights become Replicate DTensors and
         # their input a Shard(2) (heads) DTensor, so autograd sums the weight gradients over tp.
         for name in ("q_norm", "k_norm"):
             if isinstance(getattr(layer.self_attn, name, None), nn.Module):
-                plan[f"{at}.self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+                plan[f"{at}.self_attn.{name}"] = norm(dim=2)
         extra = [
             n for n, _ in layer.self_attn.named_parameters() if n.split(".")[0] not in _ATTENTION_MODULES
         ]
@@ -199,10 +211,75 @@ def _tp_plan(prefix: str, base: nn.Module, model: nn.Module) -> dict[str, nn.Mod
         if not isinstance(layer.mlp, MoE):
             plan[f"{at}.mlp.gate_proj"] = SmptkColwiseParallel()
             plan[f"{at}.mlp.up_proj"] = SmptkColwiseParallel()
-            plan[f"{at}.mlp.down_proj"] = SmptkRowwiseParallel()
+            plan[f"{at}.mlp.down_proj"] = row()
+        if sp:
+            plan[f"{at}.input_layernorm"] = norm()
+            plan[f"{at}.post_attention_layernorm"] = norm()
+            covered = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+            extra = [n for n, _ in layer.named_parameters() if n.split(".")[0] not in covered]
+            if extra:
+                raise NotImplementedError(
+                    f"sequence_parallel: {at} has parameters outside its attention, MLP and two norms, "
+                    f"which transform does not know how to split: {extra}"
+                )
+    if sp:
+        plan[f"{prefix}norm"] = norm()
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
-        plan["lm_head"] = SmptkColwiseParallel(gather_output=True)
+        plan["lm_head"] = SmptkColwiseParallel(sequence_parallel=sp, gather_output=True)
     return plan
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather the sequence (dim 1) into a region whose column-parallel layers all-reduce their input
+    gradient already (``copy_to_group``): backward keeps this rank's piece of that full gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, tp: int, rank: int) -> torch.Tensor:
+        import smptk.comm.functional as cf
+
+        ctx.tp, ctx.rank = tp, rank
+        return cf.all_gather(x, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.tp, dim=1)[ctx.rank].contiguous(), None, None, None
+
+
+def _replace_hidden_states(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+
+def _gather_sequence_hook(group: Any, tp: int, rank: int):
+    """A forward pre-hook for an attention or MLP module under sequence parallelism (see ``_tp_plan``)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _replace_hidden_states(args, kwargs, lambda x: _GatherSequence.apply(x, group, tp, rank))
+
+    return hook
+
+
+def _split_sequence_hook(group: Any, tp: int, rank: int):
+    """A forward pre-hook for the first decoder layer under sequence parallelism: it hands the layer this
+    rank's ``1 / tp`` of the sequence (dim 1) of the replicated embedding output. Backward sums the
+    ranks' pieces of the gradient (an all-reduce of the zero-padded pieces), so the embedding sees the
+    full gradient. The model computed its causal mask and rotary positions from the full sequence before
+    the layers, and every column-parallel layer gathers the sequence again."""
+    import smptk.comm.functional as cf
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs["hidden_states"]
+        if x.dim() != 3 or x.shape[1] % tp:
+            raise ValueError(
+                f"sequence_parallel: the hidden states {tuple(x.shape)} must be [batch, seq, hidden] with "
+                f"the sequence length divisible by tensor_parallel_degree {tp}"
+            )
+        return _replace_hidden_states(
+            args, kwargs, lambda x: cf.copy_to_group(x, group).chunk(tp, dim=1)[rank].contiguous()
+        )
+
+    return hook
 
 
 def transform(
@@ -210,6 +287,7 @@ def transform(
     config: Any = None,
     *,
     state: ParallelState | None = None,
+    sequence_parallel: bool = False,
     use_smptk_collectives: str | bool = "auto",
 ) -> tuple[nn.Module, TransformReport]:
     """Make a supported Hugging Face model parallel in place (see the module docstring).
@@ -223,6 +301,11 @@ def transform(
         config: a ParallelConfig, dict or JSON path: :func:`smptk.parallel.init` runs with it. None: the
             ``state`` given, or the current one.
         state: a ParallelState to use (give ``config`` or ``state``, not both).
+        sequence_parallel: with tensor parallelism, split the residual stream between the decoder layers
+            along the sequence (dim 1) over ``tp`` (Megatron's sequence parallelism): the norms run on
+            ``1 / tp`` of the tokens and the activations between the tensor-parallel regions shrink by
+            ``tp``. Needs a causal LM head, dense MLPs (not MoE) and sequence lengths divisible by
+            ``tp``; nothing changes at ``tp`` 1.
         use_smptk_collectives: passed to :func:`~smptk.parallel.apply_data_parallel`.
 
     Returns:
@@ -263,16 +346,38 @@ def transform(
         cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
 
     tensor_parallel: list[str] = []
-    if state.sizes["tp"] > 1:
-        plan = _tp_plan(prefix, base, model)
-        parallelize_module(model, state.submesh("tp"), plan)
+    tp = state.sizes["tp"]
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
+    sp = sequence_parallel and tp > 1
+    if sp and moe_layers:
+        raise NotImplementedError(
+            f"sequence_parallel with {arch}'s MoE layers: smptk's MoE is whole on every tp rank and would "
+            "see different tokens on each; use sequence_parallel=False"
+        )
+    if sp and not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        raise NotImplementedError(
+            "sequence_parallel needs the causal LM head (it gathers the sequence back); "
+            f"{type(model).__name__} has none"
+        )
+    if tp > 1:
+        plan = _tp_plan(prefix, base, model, sp)
+        tp_mesh = state.submesh("tp")
+        parallelize_module(model, tp_mesh, plan)
         tensor_parallel = list(plan)
+
     expert_parallel = apply_expert_parallel(model, state) if moe_layers and state.sizes["ep"] > 1 else []
     if state.sizes["ep"] > 1 and not moe_layers:
         raise ValueError(f"expert_parallel_degree {state.sizes['ep']}: {arch} model has no MoE layers")
 
     layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
     checkpointed = apply_activation_checkpointing(model, state, modules=layers)
+    if sp:  # after the checkpoint's own hooks: a recompute runs the layer's hooks again, on its input
+        group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
+        base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)
+        for layer in base.layers:
+            for module in (layer.self_attn, layer.mlp):
+                module.register_forward_pre_hook(_gather_sequence_hook(group, tp, rank), with_kwargs=True)
     module, dp_report = apply_data_parallel(
         model, state, modules=layers, use_smptk_collectives=use_smptk_collectives
     )
