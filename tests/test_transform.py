@@ -7,8 +7,9 @@ weights mapped back to the Hugging Face layout); the MoE swap keeps the router's
 MoE block in another layout is refused with the installed version in the message.
 
 Multi-rank: one 2-rank gloo job (``transform_jobs.py``, where each case is described): tensor parallelism
-on Llama, Qwen2 (biases) and Mixtral, full sharding, expert parallelism, two training steps each against
-the Hugging Face model in one process; and every bad input with its message.
+on Llama, Qwen2 (biases), Qwen3 (per-head norms) and Mixtral, sequence parallelism on Llama and Qwen3,
+full sharding, expert parallelism, two training steps each against the Hugging Face model in one
+process; and every bad input with its message.
 
 Needs transformers (the ``planner-tests`` extra); the MoE architectures need the stacked-experts layout of
 transformers >= 5.
