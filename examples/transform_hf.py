@@ -4,13 +4,14 @@ The model is a tiny random ``LlamaForCausalLM`` or ``MixtralForCausalLM`` built 
 (no download; with a real checkpoint, ``from_pretrained`` it instead). ``transform`` swaps Mixtral's MoE
 blocks for smptk's MoE, applies tensor parallelism (``--tp``), expert parallelism (``--ep``), activation
 checkpointing and FSDP2 as the config says, and the model trains with its own loss (``labels=``) plus,
-for MoE, smptk's load-balancing loss (``moe_aux_loss``). Every rank builds the same weights; the tensor-
+for MoE, smptk's load-balancing loss (``moe_aux_loss``); ``--save`` writes the trained model back in the
+Hugging Face format (``hf_state_dict`` + ``save_pretrained``). Every rank builds the same weights; the tensor-
 and expert-parallel shards are cut from rank 0's.
 
 Run (CPU: gloo and PyTorch kernels; GPUs: NCCL, bf16 parameters with fp32 reduction)::
 
     torchrun --standalone --nproc-per-node 2 examples/transform_hf.py --tp 2
-    torchrun --standalone --nproc-per-node 2 examples/transform_hf.py --model mixtral --ep 2
+    torchrun --standalone --nproc-per-node 2 examples/transform_hf.py --model mixtral --ep 2 --save out
     torchrun --standalone --nproc-per-node 4 examples/transform_hf.py --model mixtral --tp 2 --ep 2
 
 Needs transformers >= 5 (``pip install transformers``).
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree")
     parser.add_argument("--ep", type=int, default=1, help="expert_parallel_degree")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--save", metavar="DIR", help="save the trained model in the Hugging Face format")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -93,6 +95,11 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f}")
+    if args.save:
+        state = sp.hf_state_dict(model)  # collective: whole tensors, Hugging Face layout, on rank 0
+        if rank == 0:
+            model.save_pretrained(args.save, state_dict=state)  # from_pretrained(args.save) reads it back
+            print(f"saved to {args.save}")
     sp.reset()
     dist.destroy_process_group()
 

@@ -138,16 +138,20 @@ def test_parallel_llama_resumes_its_checkpoint_under_another_config(llama_tp2_dp
 # --- examples/transform_hf.py under torchrun ----------------------------------------------------------
 
 
-def test_transform_hf_trains_mixtral_with_expert_parallelism():
-    """2 processes, EP 2 x FSDP 2: a stock Mixtral's MoE blocks become smptk's, and the loss falls."""
+def test_transform_hf_trains_mixtral_with_expert_parallelism(tmp_path):
+    """2 processes, EP 2 x FSDP 2: a stock Mixtral's MoE blocks become smptk's, the loss falls, and the
+    trained model saved in the Hugging Face format loads with ``from_pretrained``."""
     hf = pytest.importorskip("transformers", reason="the example needs transformers (planner-tests extra)")
     if int(hf.__version__.split(".")[0]) < 5:
         pytest.skip(f"transformers {hf.__version__}: transform needs the stacked-experts layout of >= 5")
     script = ROOT / "examples" / "transform_hf.py"
-    proc = _torchrun(2, "--model", "mixtral", "--ep", "2", "--steps", "6", script=script)
+    args = ("--model", "mixtral", "--ep", "2", "--steps", "6", "--save", str(tmp_path))
+    proc = _torchrun(2, *args, script=script)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "mixtral: sizes" in proc.stdout and "MoE layers 2" in proc.stdout, proc.stdout
     assert "'ep': 2" in proc.stdout and "full_shard on fsdp2" in proc.stdout, proc.stdout
     losses = _losses(proc.stdout)
     assert [s for s, _ in losses] == list(range(6)), proc.stdout
     assert losses[-1][1] < losses[0][1], proc.stdout
+    back = hf.MixtralForCausalLM.from_pretrained(tmp_path)
+    assert back.config.num_local_experts == 4 and back.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4

@@ -90,6 +90,30 @@ def test_one_rank_transform_keeps_the_model(one_rank, monkeypatch, kind: str) ->
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
+def test_hf_state_dict_loads_into_the_stock_model(one_rank, monkeypatch, tmp_path, kind: str) -> None:
+    """After a training step, the exported state dict loads strictly into a fresh Hugging Face model,
+    which then computes what the transformed model computes; so does the model ``save_pretrained`` writes
+    with it and ``from_pretrained`` reads back."""
+    if kind in jobs.MOE_KINDS and not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    module, _ = sp.transform(_build(kind), {"mixed_precision": "fp32"})
+    ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    module(ids, labels=ids).loss.backward()
+    opt.step()
+    state = sp.hf_state_dict(module)
+    fresh = _build(kind)
+    assert set(state) == set(fresh.state_dict())
+    fresh.load_state_dict(state, strict=True)
+    want = module(ids).logits
+    torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
+    module.save_pretrained(tmp_path, state_dict=state)
+    back = type(fresh).from_pretrained(tmp_path)
+    torch.testing.assert_close(back(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_renormalization_follows_the_architecture(one_rank) -> None:
     if not STACKED_EXPERTS:
         pytest.skip(OLD_LAYOUT)

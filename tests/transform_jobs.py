@@ -75,21 +75,19 @@ def build(kind: str, **overrides):
 
 
 def hf_named(model, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) as a full tensor under its Hugging Face name (smptk MoE weights
-    mapped back to ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``)."""
+    """Every parameter (``hf_state_dict``), or every parameter's gradient, as full tensors in the Hugging
+    Face model's names and layouts."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    import smptk.parallel as sp
+    from smptk.parallel.transform import hf_layout
+
+    if not grads:
+        return {k: v.detach() for k, v in sp.hf_state_dict(model, rank0_only=False).items()}
+    full = {}
     for name, p in model.named_parameters():
-        t = p.grad if grads else p
-        t = t.full_tensor() if isinstance(t, DTensor) else t
-        out[name] = t.detach()
-    for name in [n for n in out if n.endswith("experts.w_gate")]:
-        at = name[: -len("w_gate")]
-        out[at + "gate_up_proj"] = torch.cat([out.pop(at + "w_gate"), out.pop(at + "w_up")], dim=1)
-        out[at + "down_proj"] = out.pop(at + "w_down")
-        out[at[: -len("experts.")] + "gate.weight"] = out.pop(at[: -len("experts.")] + "router_weight")
-    return out
+        full[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach()
+    return hf_layout(full)
 
 
 def hf_named_grads(model) -> dict[str, torch.Tensor]:

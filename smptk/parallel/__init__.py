@@ -37,7 +37,8 @@ DESIGN.md, "Public surface"); what is here today:
 - :func:`transform` (:mod:`smptk.parallel.transform`): a stock Hugging Face Llama, Mistral, Qwen2, Qwen3,
   Mixtral or Qwen3-MoE model made parallel in place: MoE blocks become :class:`MoE`, then tensor, expert
   and data parallelism and activation checkpointing as the config says (:class:`TransformReport`;
-  :func:`moe_aux_loss` for the MoE layers' load-balancing loss).
+  :func:`moe_aux_loss` for the MoE layers' load-balancing loss, :func:`hf_state_dict` to save it back in
+  the Hugging Face layout).
 """
 
 from smptk.parallel.checkpointing import ActivationOffloader, apply_activation_checkpointing
@@ -57,7 +58,7 @@ from smptk.parallel.loss import vocab_parallel_cross_entropy
 from smptk.parallel.moe import GroupedExperts, MoE
 from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
-from smptk.parallel.transform import TransformReport, moe_aux_loss, transform
+from smptk.parallel.transform import TransformReport, hf_state_dict, moe_aux_loss, transform
 
 __all__ = [
     "ActivationOffloader",
@@ -80,6 +81,7 @@ __all__ = [
     "apply_expert_parallel",
     "current",
     "get_full_state_dict",
+    "hf_state_dict",
     "init",
     "is_initialized",
     "load_checkpoint",

@@ -393,6 +393,40 @@ def transform(
     return module, report
 
 
+def hf_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of a transformed model (full tensors) in the Hugging Face model's names and
+    layouts: each smptk MoE's ``router_weight`` back to ``gate.weight``, ``experts.w_gate`` and ``w_up``
+    concatenated into ``experts.gate_up_proj`` ``[E, 2F, H]``, ``experts.w_down`` to ``experts.down_proj``;
+    every other name is already the model's own. A new dict; the tensors are not copied."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".experts.w_gate")]:
+        block = name[: -len("experts.w_gate")]
+        out[block + "experts.gate_up_proj"] = torch.cat(
+            [out.pop(block + "experts.w_gate"), out.pop(block + "experts.w_up")], dim=1
+        )
+        out[block + "experts.down_proj"] = out.pop(block + "experts.w_down")
+        out[block + "gate.weight"] = out.pop(block + "router_weight")
+    return out
+
+
+def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The full state dict of a transformed model in the Hugging Face layout (:func:`hf_layout`), for
+    ``save_pretrained(path, state_dict=...)`` or ``load_state_dict`` into the stock model (collective).
+
+    Every tensor is gathered whole (:func:`smptk.parallel.get_full_state_dict`): with ``rank0_only``
+    (default) on rank 0's CPU, the other ranks getting an empty dict; otherwise on every rank.
+
+    Example (every rank, after training)::
+
+        >>> sd = sp.hf_state_dict(model)
+        >>> if dist.get_rank() == 0:
+        ...     model.save_pretrained("out", state_dict=sd)
+    """
+    from smptk.parallel.dcp import get_full_state_dict
+
+    return hf_layout(get_full_state_dict(model, rank0_only=rank0_only)["model"])
+
+
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """The sum of every smptk MoE layer's ``aux_loss`` from the last forward (0-d fp32; zero without MoE
     layers or auxiliary coefficients): add it to the training loss of a transformed MoE model."""
@@ -409,6 +443,8 @@ __all__ = [
     "MOE_ARCHITECTURES",
     "SUPPORTED",
     "TransformReport",
+    "hf_layout",
+    "hf_state_dict",
     "moe_aux_loss",
     "transform",
 ]
