@@ -6,10 +6,11 @@ weights mapped back to the Hugging Face layout); the MoE swap keeps the router's
 ``output_router_logits`` moves the load-balancing coefficient to smptk's MoE (:func:`moe_aux_loss`); a
 MoE block in another layout is refused with the installed version in the message.
 
-Multi-rank: one 2-rank gloo job (``transform_jobs.py``, where each case is described): tensor parallelism
-on Llama, Qwen2 (biases), Qwen3 (per-head norms) and Mixtral, sequence parallelism on Llama and Qwen3,
-full sharding, expert parallelism, two training steps each against the Hugging Face model in one
-process; and every bad input with its message.
+Multi-rank: one 2-rank and one 4-rank gloo job (``transform_jobs.py``, where each case is described):
+tensor parallelism on Llama, Qwen2 (biases), Qwen3 (per-head norms) and Mixtral, sequence parallelism on
+Llama and Qwen3, full sharding, expert parallelism, and on 4 ranks TP 2 x FSDP 2 with sequence
+parallelism and TP 2 x EP 2, two training steps each against the Hugging Face model in one process; and
+every bad input with its message.
 
 Needs transformers (the ``planner-tests`` extra); the MoE architectures need the stacked-experts layout of
 transformers >= 5.
@@ -165,20 +166,22 @@ def test_unsupported_architecture_lists_the_supported(one_rank) -> None:
 
 # ------------------------------------------------------------------------------------------ multi-rank
 
-_job: list[JobResult] = []
+_jobs: dict[int, JobResult] = {}
 
 
-def job() -> JobResult:
-    if not _job:
-        _job.append(run_ranks("transform_jobs:run", 2, timeout_s=300, env={"TRITON_INTERPRET": "0"}))
-    return _job[0]
+def job(world: int) -> JobResult:
+    if world not in _jobs:
+        _jobs[world] = run_ranks("transform_jobs:run", world, timeout_s=300, env={"TRITON_INTERPRET": "0"})
+    return _jobs[world]
 
 
-@pytest.mark.parametrize("case", list(jobs.CASES))
-def test_two_ranks(case: str) -> None:
-    if case in jobs.MOE_CASES and not STACKED_EXPERTS:
+@pytest.mark.parametrize(
+    ("world", "case"), [(2, c) for c in jobs.CASES] + [(4, c) for c in jobs.CASES_4], ids=lambda v: str(v)
+)
+def test_multi_rank(world: int, case: str) -> None:
+    if case in jobs.MOE_CASES + jobs.MOE_CASES_4 and not STACKED_EXPERTS:
         pytest.skip(OLD_LAYOUT)
-    result = job()
+    result = job(world)
     result.raise_for_failure()
     problems = [f"rank {r}: {v[case]}" for r, v in enumerate(result.values) if v[case] is not None]
     assert not problems, "\n".join(problems)

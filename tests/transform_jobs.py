@@ -1,12 +1,12 @@
 """The multi-rank side of ``tests/test_transform.py``: ``smptk.parallel.transform`` on Hugging Face models.
 
-One 2-rank gloo job runs every case (``TRITON_INTERPRET=0`` and ``SMPTK_KERNELS=torch``: the PyTorch
-kernel path and torch.distributed's collectives; the kernels and smptk's collectives are tested on their
-own). Every model is a tiny random one built from a config (no download), fp32, with every rank drawing
-the same weights, so each rank can run the unsharded Hugging Face model as its reference. Each training
-case takes two SGD (momentum) steps and compares the loss of each step and every parameter after them
-(``full_tensor()``, MoE weights mapped back to the Hugging Face layout) with the reference within 1e-5
-relative:
+One 2-rank gloo job runs every case of ``CASES`` and one 4-rank job those of ``CASES_4``
+(``TRITON_INTERPRET=0`` and ``SMPTK_KERNELS=torch``: the PyTorch kernel path and torch.distributed's
+collectives; the kernels and smptk's collectives are tested on their own). Every model is a tiny random
+one built from a config (no download), fp32, with every rank drawing the same weights, so each rank can
+run the unsharded Hugging Face model as its reference. Each training case takes two SGD (momentum) steps
+and compares the loss of each step and every parameter after them (``hf_state_dict``: MoE weights back
+in the Hugging Face layout) with the reference within 1e-5 relative:
 
 - ``tp2_llama`` (tensor_parallel_degree 2, full activation checkpointing): both ranks feed the same batch
   (data is replicated over ``tp``); logits equal the reference's, loss from the model's own ``labels``.
@@ -17,6 +17,9 @@ relative:
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
+- (4 ranks) ``tp2_dp2_sp_llama``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing;
+  ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
+  of each tp group. The two ranks of a tp group feed one batch.
 - ``bad_input``: heads not divisible by tp, tied embeddings under tp, an attention parameter with no
   tensor-parallel split, sequence parallelism with MoE, without a head, on an odd sequence or not a
   bool, an unsupported architecture,
@@ -100,13 +103,26 @@ def _batch(rank: int, step: int, seq: int = SEQ) -> torch.Tensor:
 
 
 def _train(
-    problems: list[str], kind: str, config: dict, *, same_batch: bool, sp_: bool = False, **overrides
+    problems: list[str],
+    kind: str,
+    config: dict,
+    *,
+    same_batch: bool = False,
+    batches: int | None = None,
+    sp_: bool = False,
+    **overrides,
 ) -> None:
-    """Two SGD steps of the transformed model against the Hugging Face model in this process
-    (``sp_``: sequence parallelism, on an even sequence length)."""
+    """Two SGD steps of the transformed model against the Hugging Face model in this process. Data:
+    ``same_batch`` one batch for every rank; else ``batches`` (default: one per rank) distinct batches,
+    rank r feeding batch ``r * batches // world`` (the ranks of a tp group share one); the reference
+    steps on their mean loss. ``sp_``: sequence parallelism, on an even sequence length."""
     import smptk.parallel as sp
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if same_batch:
+        batches = 1
+    batches = batches or world
+    mine = rank * batches // world
     seq = SEQ + 1 if sp_ else SEQ
     model = build(kind, **overrides)
     ref = copy.deepcopy(model)
@@ -119,9 +135,8 @@ def _train(
         problems.append("no decoder layer checkpointed")
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ranks = [0] if same_batch else list(range(world))
     for step in range(2):
-        ids = _batch(0 if same_batch else rank, step, seq)
+        ids = _batch(mine, step, seq)
         out = module(ids, labels=ids)
         loss = out.loss + sp.moe_aux_loss(module)
         loss.backward()
@@ -131,11 +146,11 @@ def _train(
         dist.all_reduce(mean)
         mean /= world
         ref_loss = 0.0
-        for r in ranks:
-            rid = _batch(r, step, seq)
+        for b in range(batches):
+            rid = _batch(b, step, seq)
             ref_out = ref(rid, labels=rid)
-            ref_loss = ref_loss + ref_out.loss / len(ranks)
-            if step == 0 and r == (0 if same_batch else rank):
+            ref_loss = ref_loss + ref_out.loss / batches
+            if step == 0 and b == mine:
                 _close(problems, f"logits step {step}", out.logits, ref_out.logits)
         ref_loss.backward()
         opt_ref.step()
@@ -220,6 +235,18 @@ CASES = {
 }
 
 
+# World 4: the compositions, each rank pair of a tp group feeding one batch (dp rank = rank // 2).
+CASES_4 = {
+    "tp2_dp2_sp_llama": lambda p: _train(
+        p, "llama", {"tensor_parallel_degree": 2, "activation_checkpointing": "full"}, batches=2, sp_=True
+    ),
+    "tp2_ep2_mixtral": lambda p: _train(
+        p, "mixtral", {"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, batches=2
+    ),
+}
+MOE_CASES_4 = ("tp2_ep2_mixtral",)
+
+
 def run(rank: int, world: int, only: tuple[str, ...] | None = None) -> dict[str, str | None]:
     """Every case (or those in ``only``) on this rank: {case: None or the problems}."""
     os.environ["SMPTK_KERNELS"] = "torch"
@@ -229,10 +256,10 @@ def run(rank: int, world: int, only: tuple[str, ...] | None = None) -> dict[str,
 
     stacked = int(transformers.__version__.split(".")[0]) >= 5  # else the test skips the MoE cases
     out: dict[str, str | None] = {}
-    for name, case in CASES.items():
+    for name, case in (CASES if world == 2 else CASES_4).items():
         if only is not None and name not in only:
             continue
-        if name in MOE_CASES and not stacked:
+        if name in MOE_CASES + MOE_CASES_4 and not stacked:
             out[name] = None
             continue
         problems: list[str] = []
