@@ -17,6 +17,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
+- ``meta_tp2_llama``, ``meta_ep2_mixtral``: the big-model flow: built under ``torch.device("meta")``,
+  transformed, materialized, then ``load_hf_state_dict`` with rank 0's Hugging Face state dict (the
+  rotary tables recomputed): every parameter, the logits and the loss equal the Hugging Face model's.
 - (4 ranks) ``tp2_dp2_sp_llama``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing;
   ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
   of each tp group. The two ranks of a tp group feed one batch.
@@ -167,6 +170,27 @@ def _train(
         _close(problems, f"{name} after 2 steps", got[name], p)
 
 
+def _meta_load(problems: list[str], kind: str, config: dict) -> None:
+    """Build on meta, transform, materialize, load rank 0's Hugging Face state dict: the model then
+    computes what the Hugging Face model computes (logits and loss), after one step too."""
+    import smptk.parallel as sp
+
+    ref = build(kind)
+    with torch.device("meta"):
+        meta = build(kind)
+    state = sp.init({"mixed_precision": "fp32", **config})
+    module, _ = sp.transform(meta, state=state)
+    sp.materialize(module, state)
+    sp.load_hf_state_dict(module, ref.state_dict() if dist.get_rank() == 0 else None)
+    ids = _batch(0, 0)
+    out, want = module(ids, labels=ids), ref(ids, labels=ids)
+    _close(problems, "logits after load", out.logits, want.logits)
+    _close(problems, "loss after load", out.loss, want.loss)
+    got = hf_named(module)
+    for name, p in ref.state_dict().items():
+        _close(problems, f"{name} after load", got[name], p)
+
+
 def _odd_sequence(model) -> None:
     model(torch.zeros(1, SEQ, dtype=torch.int64))  # SEQ is odd
 
@@ -213,7 +237,7 @@ def _bad_input(problems: list[str]) -> None:
 
 
 MOE_KINDS = ("mixtral", "qwen3_moe")
-MOE_CASES = ("tp2_mixtral", "ep2_mixtral")
+MOE_CASES = ("tp2_mixtral", "ep2_mixtral", "meta_ep2_mixtral")
 CASES = {
     "tp2_llama": lambda p: _train(
         p, "llama", {"tensor_parallel_degree": 2, "activation_checkpointing": "full"}, same_batch=True
@@ -228,6 +252,8 @@ CASES = {
         sp_=True,
     ),
     "tp2_sp_qwen3": lambda p: _train(p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True),
+    "meta_tp2_llama": lambda p: _meta_load(p, "llama", {"tensor_parallel_degree": 2}),
+    "meta_ep2_mixtral": lambda p: _meta_load(p, "mixtral", {"expert_parallel_degree": 2}),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
     "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
     "ep2_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False),

@@ -38,7 +38,8 @@ DESIGN.md, "Public surface"); what is here today:
   Mixtral or Qwen3-MoE model made parallel in place: MoE blocks become :class:`MoE`, then tensor, expert
   and data parallelism and activation checkpointing as the config says (:class:`TransformReport`;
   :func:`moe_aux_loss` for the MoE layers' load-balancing loss, :func:`hf_state_dict` to save it back in
-  the Hugging Face layout).
+  the Hugging Face layout, :func:`load_hf_state_dict` to load Hugging Face weights into a meta-built,
+  transformed, materialized model).
 """
 
 from smptk.parallel.checkpointing import ActivationOffloader, apply_activation_checkpointing
@@ -58,7 +59,13 @@ from smptk.parallel.loss import vocab_parallel_cross_entropy
 from smptk.parallel.moe import GroupedExperts, MoE
 from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
-from smptk.parallel.transform import TransformReport, hf_state_dict, moe_aux_loss, transform
+from smptk.parallel.transform import (
+    TransformReport,
+    hf_state_dict,
+    load_hf_state_dict,
+    moe_aux_loss,
+    transform,
+)
 
 __all__ = [
     "ActivationOffloader",
@@ -86,6 +93,7 @@ __all__ = [
     "is_initialized",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_hf_state_dict",
     "materialize",
     "moe_aux_loss",
     "reset",

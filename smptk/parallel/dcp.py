@@ -266,7 +266,10 @@ def load_full_state_dict(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     options = options_cls(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    set_model_state_dict(model, dict(model_state) if rank0 else {}, options=options)
+    # torch's broadcast from rank 0 sends a non-contiguous view wrong (the split halves of a stacked
+    # tensor arrived as other elements of its storage, torch 2.13): send contiguous copies of those.
+    full = {k: v.contiguous() if torch.is_tensor(v) else v for k, v in model_state.items()} if rank0 else {}
+    set_model_state_dict(model, full, options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, dict(optimizer_state) if rank0 else {}, options=options)
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -409,6 +410,66 @@ def hf_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def smptk_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_layout`: a Hugging Face state dict in a transformed model's names (each
+    sparse block's ``experts.gate_up_proj`` ``[E, 2F, H]`` split into ``w_gate`` / ``w_up``, ``down_proj``
+    to ``w_down``, ``gate.weight`` to ``router_weight``). A new dict of views; nothing is copied."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
+        block = name[: -len("experts.gate_up_proj")]
+        gate_up = out.pop(name)
+        F = gate_up.shape[1] // 2
+        out[block + "experts.w_gate"], out[block + "experts.w_up"] = gate_up[:, :F], gate_up[:, F:]
+        out[block + "experts.w_down"] = out.pop(block + "experts.down_proj")
+        out[block + "router_weight"] = out.pop(block + "gate.weight")
+    return out
+
+
+def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | None) -> None:
+    """Load a Hugging Face state dict into a transformed model, each rank keeping its shards (collective).
+
+    For models too large to load whole on every rank: build the Hugging Face model under
+    ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it, then call this
+    with the checkpoint's state dict on rank 0 (``safetensors.torch.load_file``...) and None elsewhere.
+    Rank 0's tensors are put in smptk's layout (:func:`smptk_layout`) and broadcast one at a time
+    (:func:`smptk.parallel.load_full_state_dict`, strict: every parameter must be there). The rotary
+    tables, buffers no checkpoint holds and ``materialize`` leaves uninitialized, are recomputed from the
+    model's config.
+
+    Example (every rank)::
+
+        >>> with torch.device("meta"):
+        ...     model = transformers.AutoModelForCausalLM.from_config(config)
+        >>> model, report = sp.transform(model, {"tensor_parallel_degree": 8})
+        >>> sp.materialize(model)
+        >>> sp.load_hf_state_dict(model, load_file("model.safetensors") if rank == 0 else None)
+    """
+    from smptk.parallel.dcp import load_full_state_dict
+
+    mapped = smptk_layout(hf_state) if isinstance(hf_state, Mapping) else None
+    load_full_state_dict(model, mapped, strict=True)
+    _refill_rotary(model)
+
+
+def _refill_rotary(model: nn.Module) -> int:
+    """Recompute every Hugging Face rotary module's buffers (``inv_freq``...) from a fresh instance built
+    from its config on the CPU; returns how many modules were refilled."""
+    done = 0
+    for module in model.modules():
+        if not (type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")):
+            continue
+        with torch.device("cpu"):
+            fresh = type(module)(module.config)
+        with torch.no_grad():
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+        for key, value in vars(fresh).items():  # attention_scaling and the like
+            if not key.startswith("_") and isinstance(value, (int, float)):
+                setattr(module, key, value)
+        done += 1
+    return done
+
+
 def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The full state dict of a transformed model in the Hugging Face layout (:func:`hf_layout`), for
     ``save_pretrained(path, state_dict=...)`` or ``load_state_dict`` into the stock model (collective).
@@ -445,6 +506,8 @@ __all__ = [
     "TransformReport",
     "hf_layout",
     "hf_state_dict",
+    "load_hf_state_dict",
     "moe_aux_loss",
+    "smptk_layout",
     "transform",
 ]
