@@ -157,6 +157,24 @@ def test_moe_block_in_another_layout_is_refused(one_rank) -> None:
         sp.transform(model, {"mixed_precision": "fp32"})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise 0.1"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_refused_moe_leaves_the_model_as_it_was(one_rank, overrides: dict, message: str) -> None:
+    if not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    model = jobs.build("mixtral", **overrides)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(NotImplementedError, match=message):
+        sp.transform(model, {"mixed_precision": "fp32"})
+    assert dict(model.named_parameters()).keys() == before.keys()
+    assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+
+
 def test_unsupported_architecture_lists_the_supported(one_rank) -> None:
     with pytest.raises(
         NotImplementedError, match="supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"

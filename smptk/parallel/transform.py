@@ -145,8 +145,8 @@ def _check(model: nn.Module, state: ParallelState) -> tuple[str, Any]:
     return arch, cfg
 
 
-def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
-    """An smptk MoE holding ``block``'s weights (same device and dtype)."""
+def _check_moe_block(block: nn.Module, cfg: Any) -> None:
+    """Refuse a sparse block smptk's MoE cannot compute exactly."""
     if getattr(cfg, "router_jitter_noise", 0.0):
         raise NotImplementedError(
             f"router_jitter_noise {cfg.router_jitter_noise}: smptk's MoE has no router jitter; set it to 0"
@@ -156,12 +156,18 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
         raise NotImplementedError(f"hidden_act {act!r}: smptk's experts are SwiGLU (silu); got another")
     gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
     E, F2, H = gate_up.shape
-    F = F2 // 2
-    if down.shape != (E, H, F) or router.shape != (E, H):
+    if F2 % 2 or down.shape != (E, H, F2 // 2) or router.shape != (E, H):
         raise ValueError(
             f"MoE block: expected gate_up_proj [E, 2F, H], down_proj [E, H, F] and a router [E, H], got "
             f"{tuple(gate_up.shape)}, {tuple(down.shape)} and {tuple(router.shape)}"
         )
+
+
+def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
+    """An smptk MoE holding ``block``'s weights (same device and dtype; checked by _check_moe_block)."""
+    gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
+    E, F2, H = gate_up.shape
+    F = F2 // 2
     renormalize = bool(getattr(cfg, "norm_topk_prob", True))  # Mixtral always renormalizes
     aux = getattr(cfg, "router_aux_loss_coef", 0.0) if getattr(cfg, "output_router_logits", False) else 0.0
     moe = MoE(
@@ -209,7 +215,7 @@ def _tp_plan(prefix: str, base: nn.Module, model: nn.Module, sp: bool) -> dict[s
                 f"{at}.self_attn has parameters transform does not know how to split under tensor "
                 f"parallelism: {extra}"
             )
-        if not isinstance(layer.mlp, MoE):
+        if _is_dense_mlp(layer.mlp):  # MoE layers stay whole on every tp rank
             plan[f"{at}.mlp.gate_proj"] = SmptkColwiseParallel()
             plan[f"{at}.mlp.up_proj"] = SmptkColwiseParallel()
             plan[f"{at}.mlp.down_proj"] = row()
@@ -330,12 +336,13 @@ def transform(
     arch, cfg = _check(model, state)
     prefix, base = _decoder(model)
 
-    moe_layers = []
+    # Everything is checked before anything changes: a refused model is left as it was.
+    sparse = []
     for i, layer in enumerate(base.layers):
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and _is_sparse_block(mlp):
-            layer.mlp = _swap_moe(mlp, cfg)
-            moe_layers.append(f"{prefix}layers.{i}.mlp")
+            _check_moe_block(mlp, cfg)
+            sparse.append(i)
         elif not _is_dense_mlp(mlp):
             hf = sys.modules.get("transformers")
             raise NotImplementedError(
@@ -343,15 +350,11 @@ def transform(
                 f"stacked experts (gate_up_proj [E, 2F, H], the layout of transformers >= 5; installed: "
                 f"{getattr(hf, '__version__', 'unknown')})"
             )
-    if moe_layers and getattr(cfg, "output_router_logits", False):
-        cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
-
-    tensor_parallel: list[str] = []
     tp = state.sizes["tp"]
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
     sp = sequence_parallel and tp > 1
-    if sp and moe_layers:
+    if sp and sparse:
         raise NotImplementedError(
             f"sequence_parallel with {arch}'s MoE layers: smptk's MoE is whole on every tp rank and would "
             "see different tokens on each; use sequence_parallel=False"
@@ -361,15 +364,24 @@ def transform(
             "sequence_parallel needs the causal LM head (it gathers the sequence back); "
             f"{type(model).__name__} has none"
         )
+    if state.sizes["ep"] > 1 and not sparse:
+        raise ValueError(f"expert_parallel_degree {state.sizes['ep']}: {arch} model has no MoE layers")
+    plan = _tp_plan(prefix, base, model, sp) if tp > 1 else {}  # raises on parameters it cannot split
+
+    moe_layers = []
+    for i in sparse:
+        base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg)
+        moe_layers.append(f"{prefix}layers.{i}.mlp")
+    if moe_layers and getattr(cfg, "output_router_logits", False):
+        cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
+
+    tensor_parallel: list[str] = []
     if tp > 1:
-        plan = _tp_plan(prefix, base, model, sp)
         tp_mesh = state.submesh("tp")
         parallelize_module(model, tp_mesh, plan)
         tensor_parallel = list(plan)
 
     expert_parallel = apply_expert_parallel(model, state) if moe_layers and state.sizes["ep"] > 1 else []
-    if state.sizes["ep"] > 1 and not moe_layers:
-        raise ValueError(f"expert_parallel_degree {state.sizes['ep']}: {arch} model has no MoE layers")
 
     layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
     checkpointed = apply_activation_checkpointing(model, state, modules=layers)
