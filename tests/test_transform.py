@@ -31,9 +31,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transform_jobs as jobs  # noqa: E402
 from comm_harness import JobResult, run_ranks  # noqa: E402
+from helpers import NO_INTERPRETER_REASON  # noqa: E402
 from torch import nn  # noqa: E402
 
 import smptk.parallel as sp  # noqa: E402
+from smptk.kernels import runtime  # noqa: E402
 
 STACKED_EXPERTS = int(transformers.__version__.split(".")[0]) >= 5
 OLD_LAYOUT = f"transformers {transformers.__version__} keeps MoE experts as modules; transform needs >= 5"
@@ -89,6 +91,27 @@ def test_one_rank_transform_keeps_the_model(one_rank, monkeypatch, kind: str) ->
     assert set(grads) == set(ref_grads)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(not runtime.interpreter_enabled(), reason=NO_INTERPRETER_REASON)
+def test_one_rank_mixtral_on_smptk_kernels(one_rank, monkeypatch) -> None:
+    """The swapped MoE blocks on smptk's Triton kernels (routing, dispatch, grouped GEMMs; the
+    interpreter on a CPU): logits, loss and gradients equal the Hugging Face model's."""
+    if not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")  # forced: an error wherever Triton cannot run
+    model = jobs.build("mixtral")
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(4))
+    module, _ = sp.transform(model, {"mixed_precision": "fp32"})
+    out, want = module(ids, labels=ids), ref(ids, labels=ids)
+    assert module.model.layers[0].mlp.last_routing is not None
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    grads = jobs.hf_named_grads(module)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
