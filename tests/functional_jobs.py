@@ -15,8 +15,9 @@ What the cases cover: every op along dim 0 and a non-zero dim, odd sizes, non-co
 four group forms (ProcessGroup, 1-D DeviceMesh, (mesh, name), (mesh, index)) with a sub-group of 2
 ranks at W = 4, uneven all-to-all splits with empty ones (lists, tensors, None, agreed_max_split),
 fp32 on the symmetric heap and float64 on the torch.distributed fallback (``last_path()`` after the
-forward and the backward), bad input raising the same error on every rank, and a second derivative
-raising. A failed comparison is recorded and the job goes on; any other exception ends the job.
+forward and the backward), bad input raising the same error on every rank, a second derivative
+raising, and the ops under selective checkpointing (their outputs kept: no forward collective runs
+again in backward). A failed comparison is recorded and the job goes on; any other exception ends the job.
 
 Example::
 
@@ -275,12 +276,66 @@ def case_bad_input(ctx: _Ctx, problems: list[str]) -> None:
         problems.append(f"after the errors: all_reduce gave {y.tolist()}")
 
 
+def case_selective_checkpointing(ctx: _Ctx, problems: list[str]) -> None:
+    """The four collectives as one block under smptk.parallel's selective checkpointing: their forwards are
+    the dispatcher ops ``smptk::all_gather`` etc., whose outputs the policy keeps, so backward runs only the
+    backward collectives, as the plain block does; full checkpointing runs forward collectives again.
+    Gradients equal the plain block's exactly."""
+    from torch.utils.checkpoint import checkpoint
+
+    from smptk.comm import collectives
+    from smptk.parallel.checkpointing import _selective_contexts
+
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+    calls = [0]
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        y = F.all_gather(x, None)  # [W * W, 4]
+        y = F.reduce_scatter(torch.sin(y) * 2, None)  # [W, 4]
+        y = F.all_reduce(torch.cos(y), None)
+        return F.all_to_all(y * y, None)  # equal splits
+
+    def counted(fn):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    x0 = _ints((ctx.world, 4), ctx.next_seed(), ctx.rank, torch.float32)
+    up = _ints((ctx.world, 4), ctx.next_seed(), ctx.rank, torch.float32)
+    grads, ran = {}, {}
+    for mode in ("plain", "selective", "full"):
+        x = x0.clone().requires_grad_()
+        if mode == "plain":
+            out = block(x)
+        else:
+            kw = {"context_fn": _selective_contexts} if mode == "selective" else {}
+            out = checkpoint(block, x, use_reentrant=False, **kw)
+        originals = {n: getattr(collectives, n) for n in names}
+        calls[0] = 0
+        try:
+            for n in names:
+                setattr(collectives, n, counted(originals[n]))
+            (grads[mode],) = torch.autograd.grad(out, x, up)
+        finally:
+            for n in names:
+                setattr(collectives, n, originals[n])
+        ran[mode] = calls[0]
+    # selective: only the backward collectives, as without checkpointing; full: the forwards' again too
+    if not ran["plain"] == ran["selective"] < ran["full"]:
+        problems.append(f"collectives run in backward: {ran}")
+    for mode in ("selective", "full"):
+        _same(problems, f"{mode} checkpointing grad", grads[mode], grads["plain"])
+
+
 CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
     "all_gather": case_all_gather,
     "reduce_scatter": case_reduce_scatter,
     "all_reduce": case_all_reduce,
     "all_to_all": case_all_to_all,
     "copy_reduce_pair": case_copy_reduce_pair,
+    "selective_checkpointing": case_selective_checkpointing,
     "bad_input": case_bad_input,
 }
 

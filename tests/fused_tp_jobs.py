@@ -29,6 +29,9 @@ keeps each rank's block, + bias; its backward ran inside one all-gather GEMM lau
   fallback, same checks.
 - ``scatter_bad_input``: a 3-D x, rows that do not divide among the ranks, a wrong bias shape,
   ``algorithm="fused"`` where the partials exceed the heap: ValueError naming the argument, on every rank.
+- ``selective``: the pair as one block under smptk's selective checkpointing: backward launches only the
+  two backward kernels (the forwards' outputs are kept), full checkpointing launches the forwards again;
+  gradients equal the plain pair's exactly.
 - ``scatter_missing_rank`` (last): as ``missing_rank``, on a heap rebuilt after it.
 
 Sizes are tiny and odd (T_w = 5 at W = 2, 7 at W = 4; K = 24 < one K step; N_local = 40: two column tiles,
@@ -215,6 +218,63 @@ def _missing_rank(rank: int, world: int, op: str = "all_gather") -> str | None:
     return problem
 
 
+class _CountLaunches:
+    """Counts the collective launches (``smptk.comm.collectives._launch``: every fused linear's kernel) in a
+    ``with`` block."""
+
+    def __enter__(self):
+        from smptk.comm import collectives
+
+        self.module, self.original, self.count = collectives, collectives._launch, 0
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        collectives._launch = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module._launch = self.original
+
+
+def _selective(rank: int, world: int, seed: int) -> str | None:
+    """The fused pair (all_gather_linear with GELU, then linear_reduce_scatter) as a block under smptk's
+    selective checkpointing: the forwards are the dispatcher ops smptk::all_gather_linear_fwd and
+    smptk::linear_reduce_scatter_fwd, whose outputs the policy keeps, so backward launches only the two
+    backward kernels; full checkpointing launches the two forwards again. Gradients equal the plain pair's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from smptk.parallel.checkpointing import _selective_contexts
+
+    xs, ws, bs, _ = _problem(world, seed, torch.float32)
+    w2 = torch.randn(6, N_LOCAL, generator=torch.Generator().manual_seed(seed + rank), dtype=torch.float32)
+    up = torch.randn(ROWS[world], 6, generator=torch.Generator().manual_seed(seed + 99))
+
+    def block(x, w, b, w2):
+        y, _ = all_gather_linear(x, w, b, group=None, activation="gelu", algorithm="fused")
+        return linear_reduce_scatter(y, w2, group=None, algorithm="fused")[0]
+
+    problems, grads = [], {}
+    for mode in ("plain", "selective", "full"):
+        leaves = [t.clone().requires_grad_() for t in (xs[rank], ws[rank], bs[rank], w2)]
+        if mode == "plain":
+            out = block(*leaves)
+        else:
+            kw = {"context_fn": _selective_contexts} if mode == "selective" else {}
+            out = checkpoint(block, *leaves, use_reentrant=False, **kw)
+        with _CountLaunches() as launches:
+            grads[mode] = torch.autograd.grad(out, leaves, up)
+        want = {"plain": 2, "selective": 2, "full": 4}[mode]
+        if launches.count != want:
+            problems.append(f"{mode}: backward launched {launches.count} kernels, expected {want}")
+    for mode in ("selective", "full"):
+        for name, got, ref in zip(("dx", "dw", "db", "dw2"), grads[mode], grads["plain"], strict=True):
+            if not torch.equal(got, ref):
+                problems.append(f"{mode} {name}: differs from the plain pair by {(got - ref).abs().max()}")
+    return "; ".join(problems) or None
+
+
 def run(rank: int, world: int) -> dict[str, str | None]:
     f32 = torch.float32
     return {
@@ -227,6 +287,7 @@ def run(rank: int, world: int) -> dict[str, str | None]:
         "missing_rank": _missing_rank(rank, world),
         "scatter_bias": _rebuilt_heap() or _check_scatter(rank, world, 6, True, 2, "fused"),
         "scatter_plain": _check_scatter(rank, world, 7, False, 1, "fused"),
+        "selective": _selective(rank, world, 9),
         "scatter_unfused": _check_scatter(rank, world, 8, True, 1, "unfused: algorithm", algorithm="unfused"),
         "scatter_bad_input": _scatter_bad_input(rank, world),
         "scatter_missing_rank": _missing_rank(rank, world, "reduce_scatter"),

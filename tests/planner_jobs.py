@@ -90,7 +90,7 @@ WORLD2 = {
             "dense", sp=sp, tensor_parallel_degree=2, activation_checkpointing=ac
         )
         for sp in (False, True)
-        for ac in ("none", "full")
+        for ac in MODES
     },
     "fsdp2": _case("dense", "states", hybrid_shard_degree=0),
     "ep2": _case("moe", "states", expert_parallel_degree=2),

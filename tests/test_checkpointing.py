@@ -3,7 +3,9 @@
 Checkpointing: gradients equal the model without it, bit for bit (the recompute runs the same CPU ops on
 the same inputs); "full" recomputes each block's forward in backward (its forward hook runs again and
 ``aten.addmm``, the linears' forward op, reappears in backward), "selective" recomputes the block but
-keeps the matrix products' outputs (no ``addmm`` in backward); the units, names and errors.
+keeps the matrix products' outputs (no ``addmm`` in backward), smptk's Triton GEMMs included (their
+forwards are the dispatcher ops ``torch.ops.smptk.*`` under the policy's mode: none runs again in
+backward); the units, names and errors.
 Materialize: a meta-built model (smptk's ColumnParallelLinear among torch layers) gets memory on the
 state's device and the values of the same resets run under the state's seed on a CPU-built copy.
 The multi-rank composition with FSDP2 (meta build, checkpointing, sharding, materialize, train) is
@@ -93,6 +95,79 @@ def test_gradients_equal_and_what_is_recomputed(mode: str) -> None:
     # and torch's checkpoint stops its recompute once it has what backward needs); "selective" keeps it
     assert ops.get("addmm", 0) == (2 if mode == "full" else 0), ops
     assert ops.get("gelu", 0) == 2, "selective recomputes the activation functions too"
+
+
+class KernelBlock(nn.Module):
+    """A block on smptk's Triton kernels: fused_linear (bias + GELU), swiglu, and a MoE layer with a shared
+    expert (grouped_swiglu, grouped_linear, and the shared expert's swiglu / fused_linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 12)
+        self.gate = nn.Linear(12, 10, bias=False)
+        self.lin = nn.Linear(12, 10, bias=False)
+        self.down = nn.Linear(10, 8, bias=False)
+        self.moe = parallel.MoE(8, 6, num_experts=3, top_k=2, num_shared_experts=1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from smptk.kernels import fused_linear, swiglu
+
+        self.calls += 1
+        h = fused_linear(x, self.up.weight, self.up.bias, activation="gelu")
+        x = x + fused_linear(torch.sin(swiglu(h, self.gate.weight, self.lin.weight)), self.down.weight)
+        return x + self.moe(x)
+
+
+def _triton_blocker() -> str | None:
+    from smptk.kernels import runtime
+
+    try:
+        return None if runtime.select_path(torch.empty(0)) == "triton" else "the kernels take the torch path"
+    except RuntimeError as e:  # TRITON_INTERPRET set after triton was imported
+        return str(e)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_selective_keeps_smptk_kernel_outputs(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smptk's forwards are dispatcher ops while a mode is active (smptk.kernels._dispatch), so the selective
+    policy keeps their outputs: backward launches no forward GEMM. "full" launches them all again."""
+    if (why := _triton_blocker()) is not None:
+        pytest.skip(f"needs smptk's Triton kernels on CPU (Triton's interpreter): {why}")
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    torch.manual_seed(0)
+    plain = nn.Sequential(KernelBlock(), KernelBlock())
+    model = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(model, mode=mode, modules=["0", "1"]) == ["0", "1"]
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(1))
+    plain(x).square().sum().backward()
+    loss = model(x).square().sum()
+    counter = _CountOps()
+    with counter:
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert [b.calls for b in model] == [2, 2], "each block's forward runs again in backward"
+    forwards = ("fused_linear_fwd", "swiglu_fwd", "grouped_swiglu_fwd", "grouped_linear_fwd")
+    recomputed = {op: counter.counts.get(op, 0) for op in forwards}
+    # per block: up and down (fused_linear) + the shared expert's down; swiglu + the shared expert's; the
+    # routed experts' grouped pair
+    expected = {"fused_linear_fwd": 6, "swiglu_fwd": 4, "grouped_swiglu_fwd": 2, "grouped_linear_fwd": 2}
+    assert recomputed == (expected if mode == "full" else dict.fromkeys(forwards, 0)), recomputed
+
+
+def test_selective_policy_lists_smptk_ops() -> None:
+    import smptk.comm.functional  # registers the collectives' ops
+    import smptk.comm.fused_linear  # noqa: F401  (registers the fused tensor-parallel linears' ops)
+    from smptk.parallel.checkpointing import SAVED_OPS, saved_ops
+
+    names = {op.name() for op in saved_ops() - SAVED_OPS}
+    kernels = ("fused_linear_fwd", "swiglu_fwd", "grouped_linear_fwd", "grouped_swiglu_fwd")
+    comm = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    fused = ("all_gather_linear_fwd", "linear_reduce_scatter_fwd")
+    assert names >= {f"smptk::{n}" for n in kernels + comm + fused}, names
+    assert all(n.startswith("smptk::") for n in names)
+    assert torch.ops.aten.mm.default in saved_ops()
 
 
 def test_none_mode_and_the_config_mode() -> None:

@@ -17,6 +17,7 @@ DEADLINE_S = {2: 180, 4: 300}
 ENV = {"SMPTK_COMM_HEAP_BYTES": str(64 * 1024)}
 CASES = ("fused_gelu_bias", "fused_plain", "unfused", "bad_input", "missing_rank")
 SCATTER_CASES = tuple(f"scatter_{c}" for c in ("bias", "plain", "unfused", "bad_input", "missing_rank"))
+PAIR_CASES = ("selective",)
 _jobs: dict[int, JobResult] = {}
 
 
@@ -43,6 +44,12 @@ def test_all_gather_linear(world: int, case: str) -> None:
 @pytest.mark.parametrize("case", SCATTER_CASES)
 @pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
 def test_linear_reduce_scatter(world: int, case: str) -> None:
+    _assert_case(world, case)
+
+
+@pytest.mark.parametrize("case", PAIR_CASES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_fused_pair(world: int, case: str) -> None:
     _assert_case(world, case)
 
 

@@ -17,7 +17,8 @@ parallelism and measures it (``tests/planner_jobs.py``):
   flash and materialized attention, each with no / full / selective checkpointing, in fp32, and flash in
   bf16 (a ``.to(bfloat16)`` model against the estimate with ``mixed_precision="bf16"``; its model states
   are not compared: the estimate counts FSDP2's fp32 master weights, which a bf16 model does not have).
-  Tensor parallelism 2 with and without sequence parallelism, no and full checkpointing, on 2 ranks. The
+  Tensor parallelism 2 with and without sequence parallelism, no / full / selective checkpointing (the
+  collectives' outputs, which "selective" keeps, included), on 2 ranks. The
   MoE spec (4 experts, top 2, one shared expert) with no / full / selective checkpointing, measured on
   smptk's Triton kernels (the GPU path; Triton's interpreter here), skipped where they cannot run on CPU.
 

@@ -223,6 +223,12 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group
 
 
+def _named_group(group_name: str) -> dist.ProcessGroup:
+    """The ProcessGroup called ``group_name`` (``ProcessGroup.group_name``): how the dispatcher ops of
+    :mod:`smptk.kernels._dispatch`, whose arguments must be strings and numbers, name their group."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
 def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | None:
     """The group's heap for ``tensor``'s device type, building it on first use; None when none applies."""
     if tensor.device.type == "cuda" and not runtime.interpreter_enabled():

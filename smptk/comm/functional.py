@@ -64,6 +64,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from smptk.comm import collectives
+from smptk.kernels._dispatch import dispatcher_op
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -176,11 +177,66 @@ def _share(counts: torch.Tensor, mask: torch.Tensor, total: torch.Tensor) -> tor
     return torch.where(mask, total / counts.clamp_min(1), torch.zeros((), dtype=total.dtype))
 
 
+# The forwards as dispatcher ops (smptk.kernels._dispatch), so selective checkpointing keeps their outputs
+# instead of running the collective again in backward. The group travels by name.
+def _gather_fake(x, group_name, dim, max_sms):
+    shape = list(x.shape)
+    shape[dim] *= dist.get_world_size(collectives._named_group(group_name))
+    return x.new_empty(shape)
+
+
+@dispatcher_op("all_gather", fake=_gather_fake)
+def _all_gather_fwd(x: torch.Tensor, group_name: str, dim: int, max_sms: int | None) -> torch.Tensor:
+    group = collectives._named_group(group_name)
+    return _back(_gather_front(_front(x, dim), group, max_sms), dim)
+
+
+def _scatter_fake(x, group_name, dim, op, max_sms):
+    shape = list(x.shape)
+    shape[dim] //= dist.get_world_size(collectives._named_group(group_name))
+    return x.new_empty(shape)
+
+
+@dispatcher_op("reduce_scatter", fake=_scatter_fake)
+def _reduce_scatter_fwd(
+    x: torch.Tensor, group_name: str, dim: int, op: str, max_sms: int | None
+) -> torch.Tensor:
+    group = collectives._named_group(group_name)
+    return _back(_scatter_front(_front(x, dim), group, op, max_sms), dim)
+
+
+@dispatcher_op("all_reduce", fake=lambda x, group_name, op, max_sms: torch.empty_like(x))
+def _all_reduce_fwd(x: torch.Tensor, group_name: str, op: str, max_sms: int | None) -> torch.Tensor:
+    return _all_reduced(x, collectives._named_group(group_name), op, max_sms)
+
+
+def _all_to_all_fake(x, group_name, out_splits, in_splits, max_sms, agreed_max_split):
+    rows = x.shape[0] if out_splits is None else sum(out_splits)
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+@dispatcher_op("all_to_all", fake=_all_to_all_fake)
+def _all_to_all_fwd(
+    x: torch.Tensor,
+    group_name: str,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    max_sms: int | None,
+    agreed_max_split: int | None,
+) -> torch.Tensor:
+    out = _all_to_all_fake(x, group_name, out_splits, in_splits, max_sms, agreed_max_split)
+    collectives.all_to_all_single(
+        out, x.contiguous(), out_splits, in_splits, collectives._named_group(group_name),
+        max_sms=max_sms, agreed_max_split=agreed_max_split,
+    )  # fmt: skip
+    return out
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, max_sms):
         ctx.group, ctx.dim, ctx.max_sms = group, dim, max_sms
-        return _back(_gather_front(_front(x, dim), group, max_sms), dim)
+        return _all_gather_fwd(x, group.group_name, dim, max_sms)
 
     @staticmethod
     @once_differentiable
@@ -197,7 +253,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, op, max_sms):
         ctx.group, ctx.dim, ctx.op, ctx.max_sms = group, dim, op, max_sms
-        y = _back(_scatter_front(_front(x, dim), group, op, max_sms), dim)
+        y = _reduce_scatter_fwd(x, group.group_name, dim, op, max_sms)
         if op in ("max", "min"):
             ctx.save_for_backward(x, y)
         return y
@@ -230,7 +286,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, op, max_sms):
         ctx.group, ctx.op, ctx.max_sms = group, op, max_sms
-        y = _all_reduced(x, group, op, max_sms)
+        y = _all_reduce_fwd(x, group.group_name, op, max_sms)
         if op in ("max", "min"):
             ctx.save_for_backward(x, y)
         return y
@@ -252,18 +308,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group, out_splits, in_splits, max_sms, agreed_max_split):
         ctx.group, ctx.splits = group, (out_splits, in_splits)
         ctx.max_sms, ctx.agreed_max_split = max_sms, agreed_max_split
-        rows = x.shape[0] if out_splits is None else sum(out_splits)
-        out = x.new_empty((rows, *x.shape[1:]))
-        collectives.all_to_all_single(
-            out,
-            x.contiguous(),
-            out_splits,
-            in_splits,
-            group,
-            max_sms=max_sms,
-            agreed_max_split=agreed_max_split,
-        )
-        return out
+        return _all_to_all_fwd(x, group.group_name, out_splits, in_splits, max_sms, agreed_max_split)
 
     @staticmethod
     @once_differentiable
@@ -298,7 +343,7 @@ class _CopyToGroup(torch.autograd.Function):
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, max_sms):
-        return _all_reduced(x, group, "sum", max_sms)
+        return _all_reduce_fwd(x, group.group_name, "sum", max_sms)
 
     @staticmethod
     @once_differentiable

@@ -51,6 +51,7 @@ from smptk.comm import functional
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import check_activation, check_float_tensor, check_same, check_weight
+from smptk.kernels._dispatch import dispatcher_op, none_if_empty
 from smptk.kernels._triton import kernel_module
 from smptk.kernels.heap_layout import SEQ_SHIFT
 
@@ -145,14 +146,51 @@ def _fused_forward(x, w, bias, act: int, save_z: bool, g: dist.ProcessGroup, hea
     return out, gathered, z
 
 
+# The two forwards as dispatcher ops (smptk.kernels._dispatch): selective checkpointing keeps their outputs
+# instead of running the GEMM and its collective again in backward. The group travels by name.
+def _all_gather_linear_fake(x, w, bias, act, save_z, group_name, programs):
+    T, N = dist.get_world_size(_coll._named_group(group_name)) * x.shape[0], w.shape[0]
+    return x.new_empty((T, N)), x.new_empty((T, x.shape[1])), x.new_empty((T, N) if save_z else (0,))
+
+
+@dispatcher_op("all_gather_linear_fwd", fake=_all_gather_linear_fake)
+def _all_gather_linear_fwd(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: int,
+    save_z: bool,
+    group_name: str,
+    programs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_fused_forward` on the named group's heap; z empty unless ``save_z``."""
+    g = _coll._named_group(group_name)
+    out, gathered, z = _fused_forward(x, w, bias, act, save_z, g, _coll._heap(g, x), programs)
+    return out, gathered, (z if save_z else x.new_empty((0,)))
+
+
+def _linear_reduce_scatter_fake(x, w, bias, group_name, programs):
+    world = dist.get_world_size(_coll._named_group(group_name))
+    return x.new_empty((x.shape[0] // world, w.shape[0]))
+
+
+@dispatcher_op("linear_reduce_scatter_fwd", fake=_linear_reduce_scatter_fake)
+def _linear_reduce_scatter_fwd(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group_name: str, programs: int
+) -> torch.Tensor:
+    """:func:`_fused_scatter` on the named group's heap."""
+    g = _coll._named_group(group_name)
+    return _fused_scatter(x, w, bias, g, _coll._heap(g, x), programs)
+
+
 class _AllGatherLinear(torch.autograd.Function):
     """Fused forward, unfused backward (see the module docstring); inputs checked, x contiguous 2-D."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, act: int, g, heap, programs: int, max_sms):
+    def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms):
         save_z = act != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
-        out, gathered, z = _fused_forward(x, w, bias, act, save_z, g, heap, programs)
-        ctx.save_for_backward(gathered, w, z)
+        out, gathered, z = _all_gather_linear_fwd(x, w, bias, act, save_z, g.group_name, programs)
+        ctx.save_for_backward(gathered, w, none_if_empty(z, save_z))
         ctx.act, ctx.group, ctx.max_sms, ctx.programs = act, g, max_sms, programs
         ctx.mark_non_differentiable(gathered)
         return out, gathered
@@ -176,7 +214,7 @@ class _AllGatherLinear(torch.autograd.Function):
         elif need_dx:
             dx = dx_full.new_empty((dx_full.shape[0] // world, dx_full.shape[1]))
             _coll.reduce_scatter_tensor(dx, dx_full, "sum", ctx.group, max_sms=ctx.max_sms)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def all_gather_linear(
@@ -231,8 +269,7 @@ def all_gather_linear(
             raise ValueError(f"algorithm: 'fused' cannot run this call: {why}")
     if why is None:
         act = _epilogue.ACTIVATION_CODES[activation]
-        heap = _coll._heap(g, x)
-        out, gathered = _AllGatherLinear.apply(x, weight_local, bias, act, g, heap, programs, max_sms)
+        out, gathered = _AllGatherLinear.apply(x, weight_local, bias, act, g, programs, max_sms)
         if gathered_out is not None:
             gathered_out.copy_(gathered)
         return out, "fused"
@@ -246,8 +283,8 @@ class _LinearReduceScatter(torch.autograd.Function):
     """Fused forward; the backward's all-gather runs inside the all-gather GEMM (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, g, heap, programs: int, max_sms):
-        out = _fused_scatter(x, w, bias, g, heap, programs)
+    def forward(ctx, x, w, bias, g, programs: int, max_sms):
+        out = _linear_reduce_scatter_fwd(x, w, bias, g.group_name, programs)
         ctx.save_for_backward(x, w)
         ctx.group, ctx.max_sms, ctx.programs = g, max_sms, programs
         return out
@@ -275,7 +312,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         )
         if dx is None:
             dx = dx_unfused
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
 def linear_reduce_scatter(
@@ -321,8 +358,7 @@ def linear_reduce_scatter(
         if why is not None and algorithm == "fused":
             raise ValueError(f"algorithm: 'fused' cannot run this call: {why}")
     if why is None:
-        heap = _coll._heap(g, x)
-        return _LinearReduceScatter.apply(x, weight_local, bias, g, heap, programs, max_sms), "fused"
+        return _LinearReduceScatter.apply(x, weight_local, bias, g, programs, max_sms), "fused"
     y = functional.reduce_scatter(fused_linear(x, weight_local), g, dim=0, max_sms=max_sms)
     if bias is not None:
         y = y + functional.copy_to_group(bias, g, max_sms=max_sms)  # each rank's bias gradient: its rows

@@ -46,6 +46,7 @@ from smptk.kernels._checks import (
     check_same,
     check_weight,
 )
+from smptk.kernels._dispatch import dispatcher_op, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -54,14 +55,21 @@ _gemm = kernel_module("smptk.kernels._gemm")
 _epilogue = kernel_module("smptk.kernels._epilogue")
 
 
+def _fused_linear_fwd_fake(x_MK, w_NK, bias_N, activation, save_z):
+    M, N = x_MK.shape[0], w_NK.shape[0]
+    return x_MK.new_empty((M, N)), x_MK.new_empty((M, N) if save_z else (0,))
+
+
+@dispatcher_op("fused_linear_fwd", fake=_fused_linear_fwd_fake)
 def fused_linear_fwd(
     x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None, activation: int, save_z: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton forward on 2-D ``x``: returns ``(y [M, N], z [M, N] or None)``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward on 2-D ``x``: returns ``(y [M, N], z [M, N])``, z empty unless ``save_z``. The op
+    ``smptk::fused_linear_fwd`` (see :mod:`smptk.kernels._dispatch`)."""
     M, N = x_MK.shape[0], w_NK.shape[0]
     y = new_buffer((M, N), x_MK.dtype, x_MK.device)
-    z = new_buffer((M, N), x_MK.dtype, x_MK.device) if save_z else None
-    _gemm.matmul(x_MK, w_NK.t(), y, bias_N=bias_N, activation=activation, z_out_MN=z)
+    z = new_buffer((M, N) if save_z else (0,), x_MK.dtype, x_MK.device)
+    _gemm.matmul(x_MK, w_NK.t(), y, bias_N=bias_N, activation=activation, z_out_MN=z if save_z else None)
     return y, z
 
 
@@ -99,7 +107,7 @@ class FusedLinearFunction(torch.autograd.Function):
     def forward(ctx, x_MK, w_NK, bias_N, activation: int):
         save_z = activation != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
         y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z)
-        ctx.save_for_backward(x_MK, w_NK, z)
+        ctx.save_for_backward(x_MK, w_NK, none_if_empty(z, save_z))
         ctx.activation = activation
         return y
 

@@ -72,6 +72,7 @@ from smptk.kernels._checks import (
     check_input,
     check_same,
 )
+from smptk.kernels._dispatch import dispatcher_op, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -80,19 +81,60 @@ _gemm = kernel_module("smptk.kernels._gemm")
 _epilogue = kernel_module("smptk.kernels._epilogue")
 
 
+def _grouped_fwd_fake(x_TK, w_ENK, offsets, bias_EN, activation, save_z):
+    T, N = x_TK.shape[0], w_ENK.shape[1]
+    return x_TK.new_empty((T, N)), x_TK.new_empty((T, N) if save_z else (0,))
+
+
+@dispatcher_op("grouped_linear_fwd", fake=_grouped_fwd_fake)
+def grouped_linear_fwd(
+    x_TK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offsets: torch.Tensor,
+    bias_EN: torch.Tensor | None,
+    activation: int,
+    save_z: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: ``(y [T, N], z [T, N])``, z empty unless ``save_z``. The op
+    ``smptk::grouped_linear_fwd`` (see :mod:`smptk.kernels._dispatch`)."""
+    T, N = x_TK.shape[0], w_ENK.shape[1]
+    y = new_buffer((T, N), x_TK.dtype, x_TK.device)
+    z = new_buffer((T, N) if save_z else (0,), x_TK.dtype, x_TK.device)
+    _gemm.grouped_matmul(
+        x_TK, w_ENK.transpose(1, 2), offsets, y, bias_EC=bias_EN, activation=activation,
+        z_TC=z if save_z else None,
+    )  # fmt: skip
+    return y, z
+
+
+def _grouped_swiglu_fwd_fake(x_TK, wg_ENK, wu_ENK, offsets, save_h):
+    T, N = x_TK.shape[0], wg_ENK.shape[1]
+    return x_TK.new_empty((T, N)), x_TK.new_empty((T, 2 * N) if save_h else (0,))
+
+
+@dispatcher_op("grouped_swiglu_fwd", fake=_grouped_swiglu_fwd_fake)
+def grouped_swiglu_fwd(
+    x_TK: torch.Tensor, wg_ENK: torch.Tensor, wu_ENK: torch.Tensor, offsets: torch.Tensor, save_h: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: ``(y [T, N], h = [g | u] [T, 2N])``, h empty unless ``save_h``. The op
+    ``smptk::grouped_swiglu_fwd``."""
+    T, N = x_TK.shape[0], wg_ENK.shape[1]
+    y = new_buffer((T, N), x_TK.dtype, x_TK.device)
+    h = new_buffer((T, 2 * N) if save_h else (0,), x_TK.dtype, x_TK.device)
+    _gemm.grouped_swiglu_matmul(
+        x_TK, wg_ENK.transpose(1, 2), wu_ENK.transpose(1, 2), offsets, y, h if save_h else None
+    )
+    return y, h
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     """Autograd over the Triton forward and backward (inputs checked, offsets int64 contiguous)."""
 
     @staticmethod
     def forward(ctx, x_TK, w_ENK, offsets, bias_EN, activation: int):
-        T, N = x_TK.shape[0], w_ENK.shape[1]
         save_z = activation != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:4])
-        y = new_buffer((T, N), x_TK.dtype, x_TK.device)
-        z = new_buffer((T, N), x_TK.dtype, x_TK.device) if save_z else None
-        _gemm.grouped_matmul(
-            x_TK, w_ENK.transpose(1, 2), offsets, y, bias_EC=bias_EN, activation=activation, z_TC=z
-        )
-        ctx.save_for_backward(x_TK, w_ENK, offsets, z)
+        y, z = grouped_linear_fwd(x_TK, w_ENK, offsets, bias_EN, activation, save_z)
+        ctx.save_for_backward(x_TK, w_ENK, offsets, none_if_empty(z, save_z))
         ctx.activation = activation
         return y
 
@@ -122,12 +164,9 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TK, wg_ENK, wu_ENK, offsets):
-        T, N = x_TK.shape[0], wg_ENK.shape[1]
         save_h = any(ctx.needs_input_grad[:3])
-        y = new_buffer((T, N), x_TK.dtype, x_TK.device)
-        h = new_buffer((T, 2 * N), x_TK.dtype, x_TK.device) if save_h else None
-        _gemm.grouped_swiglu_matmul(x_TK, wg_ENK.transpose(1, 2), wu_ENK.transpose(1, 2), offsets, y, h)
-        ctx.save_for_backward(x_TK, wg_ENK, wu_ENK, offsets, h)
+        y, h = grouped_swiglu_fwd(x_TK, wg_ENK, wu_ENK, offsets, save_h)
+        ctx.save_for_backward(x_TK, wg_ENK, wu_ENK, offsets, none_if_empty(h, save_h))
         return y
 
     @staticmethod

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import autocast_inputs, check_input, check_weight
+from smptk.kernels._dispatch import dispatcher_op, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -43,14 +44,21 @@ _gemm = kernel_module("smptk.kernels._gemm")
 _epilogue = kernel_module("smptk.kernels._epilogue")
 
 
+def _swiglu_fwd_fake(x_MK, wg_NK, wu_NK, save_h):
+    M, N = x_MK.shape[0], wg_NK.shape[0]
+    return x_MK.new_empty((M, N)), x_MK.new_empty((M, 2 * N) if save_h else (0,))
+
+
+@dispatcher_op("swiglu_fwd", fake=_swiglu_fwd_fake)
 def swiglu_fwd(
     x_MK: torch.Tensor, wg_NK: torch.Tensor, wu_NK: torch.Tensor, save_h: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton forward on 2-D ``x``: ``(y [M, N], h = [g | u] [M, 2N] or None)``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward on 2-D ``x``: ``(y [M, N], h = [g | u] [M, 2N])``, h empty unless ``save_h``. The op
+    ``smptk::swiglu_fwd`` (see :mod:`smptk.kernels._dispatch`)."""
     M, N = x_MK.shape[0], wg_NK.shape[0]
     y = new_buffer((M, N), x_MK.dtype, x_MK.device)
-    h = new_buffer((M, 2 * N), x_MK.dtype, x_MK.device) if save_h else None
-    _gemm.swiglu_matmul(x_MK, wg_NK.t(), wu_NK.t(), y, h)
+    h = new_buffer((M, 2 * N) if save_h else (0,), x_MK.dtype, x_MK.device)
+    _gemm.swiglu_matmul(x_MK, wg_NK.t(), wu_NK.t(), y, h if save_h else None)
     return y, h
 
 
@@ -91,7 +99,7 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, x_MK, wg_NK, wu_NK):
         save_h = any(ctx.needs_input_grad)
         y, h = swiglu_fwd(x_MK, wg_NK, wu_NK, save_h)
-        ctx.save_for_backward(x_MK, wg_NK, wu_NK, h)
+        ctx.save_for_backward(x_MK, wg_NK, wu_NK, none_if_empty(h, save_h))
         return y
 
     @staticmethod

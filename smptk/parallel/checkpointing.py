@@ -11,9 +11,11 @@ torch.distributed.checkpoint see the model unchanged):
 - ``"selective"``: torch's selective checkpointing with an op-level policy: the outputs of matrix
   products, attention kernels and of collectives are kept (recomputing them costs FLOPs or
   communication), everything else (norms, activation functions, elementwise ops, softmax) is
-  recomputed. :data:`SAVED_OPS` lists the ops kept. smptk's own Triton GEMMs (``smptk.kernels``) are
-  not dispatcher ops, so the policy cannot see them: under "selective" they are recomputed like
-  everything else (use "full" or torch's matmul layers where the difference matters).
+  recomputed. :func:`saved_ops` lists the ops kept: torch's (:data:`SAVED_OPS`) and smptk's own, whose
+  forwards (the Triton GEMMs of ``smptk.kernels``, the fused tensor-parallel linears and the collectives
+  of ``smptk.comm.functional``) run as dispatcher ops ``torch.ops.smptk.*`` while a dispatch mode such
+  as this policy's is active (:mod:`smptk.kernels._dispatch`), so the policy sees them and their
+  backward finds the kept outputs instead of launching the kernel again.
 
 Offloading (``sm_activation_offloading``, :class:`ActivationOffloader`): what a checkpointed unit keeps,
 its inputs, moves to pinned CPU memory during forward (a copy on a side stream, so the next unit's
@@ -43,6 +45,7 @@ import functools
 import torch
 from torch import nn
 
+from smptk.kernels import _dispatch
 from smptk.parallel.config import ACTIVATION_CHECKPOINTING, ParallelState, current
 from smptk.parallel.fsdp import ModuleSpec, select_units
 
@@ -70,10 +73,23 @@ def _saved_ops() -> frozenset:
 SAVED_OPS = _saved_ops()
 
 
+def saved_ops() -> frozenset:
+    """Every op whose outputs "selective" keeps: torch's (:data:`SAVED_OPS`) and smptk's dispatcher ops
+    (``torch.ops.smptk.*``: the Triton GEMM forwards, the fused tensor-parallel linears, the collectives).
+
+    Example::
+
+        >>> torch.ops.smptk.fused_linear_fwd.default in saved_ops()
+        True
+    """
+    return SAVED_OPS | frozenset(_dispatch.OPS)
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in SAVED_OPS or op in _dispatch.OPS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():

@@ -55,12 +55,16 @@ input ``T h B`` and the loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and
 :func:`smptk.parallel.vocab_parallel_cross_entropy` both keep it). Checkpointing: ``"full"`` keeps each
 block's input ``T_r h B`` (a MoE block also its routing, which the layer holds as attributes) and
 recomputes one block at a time in backward (that block's activations are transient); ``"selective"``
-(:data:`smptk.parallel.checkpointing.SAVED_OPS`) keeps the input and the outputs of the matrix products
-and attention kernels (q, k, v, o, gate, up, down, attention output and log-sum-exp; in a MoE block
-the router's logits and the routing: its grouped and shared-expert GEMMs are Triton kernels, which
-the policy cannot see, so they are recomputed). smptk's Triton GEMMs are not dispatcher ops, so where
-the tensor-parallel layers run them (``smptk.kernels.fused_linear`` on a GPU) "selective" recomputes
-those GEMMs too and keeps less than this (the estimate is then an upper bound). Offloading moves the
+(:func:`smptk.parallel.checkpointing.saved_ops`) keeps the input and the outputs of the matrix products,
+attention kernels and collectives: q, k, v, o, gate, up, down, attention output and log-sum-exp; under
+tensor parallelism each column-parallel layer's all-gathered input and each row-parallel layer's
+reduce-scattered output with sequence parallelism (smptk's unfused path; its fused row-parallel kernel
+keeps no separate partial product, ``T h B`` less per layer), the row-parallel layers' all-reduced
+outputs without; in a MoE block the router's logits, the routing, the grouped SwiGLU's output and
+``[g | u]`` and the grouped down projection's output per routed row, the shared experts' the same per
+token, and under expert parallelism the two all-to-alls' outputs (``2 T k h B``, derived, not measured;
+MLA's tensor-parallel collectives are not counted). smptk's Triton GEMMs and collectives are kept like
+torch's: their forwards are dispatcher ops under the policy's mode. Offloading moves the
 checkpointed inputs to pinned host memory and keeps at most ``activation_loading_horizon`` of them on
 the GPU; the host bytes are reported (not in the GPU total). Korthikanti et al. (2022) count
 ``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no dropout and a SwiGLU MLP, so its
@@ -445,15 +449,27 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         moe = 4 * T * E + routing + rows * h * B + rows * 3 * fm * B + rows * h * B
         moe += 3 * T * fs * B  # the shared experts read the same input, whole on every tp rank
         none += mlp_in + moe
-        sel += 4 * T * E + routing  # the router's GEMM; the grouped and shared GEMMs are Triton kernels
+        # the router's GEMM and the routing; the GEMM ops' outputs: the grouped SwiGLU's y and [g | u]
+        # and the grouped down projection's output per routed row, the shared experts' the same per token
+        sel += 4 * T * E + routing + rows * (3 * fm + h) * B + T * (3 * fs + (h if fs else 0)) * B
+        if sizes["ep"] > 1:
+            sel += 2 * rows * h * B  # the two all-to-alls' outputs (derived, not measured)
+        cols, row_layers = 3, 1  # tensor-parallel layers: q, k, v; o (the MoE is whole on every tp rank)
     elif spec.mlp == "swiglu":
         f_t = spec.intermediate_size // t
         none += (2 if sp else 1) * T * h * B + 4 * T * f_t * B
         sel += 2 * T * f_t * B + T * h * B
+        cols, row_layers = 5, 2
     else:
         f_t = spec.intermediate_size // t
         none += T * h * B + 2 * T * f_t * B
         sel += T * f_t * B + T * h * B
+        cols, row_layers = 4, 2
+    if t > 1 and not spec.is_mla:
+        # the collectives' outputs, which "selective" keeps: each column-parallel layer's all-gathered input
+        # and each row-parallel layer's reduce-scattered output with sequence parallelism, the row-parallel
+        # layers' all-reduced outputs without
+        sel += (cols * T * h * B + row_layers * Tr * h * B) if sp else row_layers * T * h * B
     return {"none": none, "full": Tr * h * B + routing, "selective": sel}
 
 

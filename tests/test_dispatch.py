@@ -1,0 +1,132 @@
+"""smptk's forwards as dispatcher ops (``smptk.kernels._dispatch``): what a torch dispatch mode sees of them.
+
+- Under a pass-through mode every kernel's forward is one op ``smptk::<name>`` (the mode sees it, and not the
+  Triton launch's ``empty``), and its outputs and gradients equal the direct call's bit for bit.
+- Under FakeTensorMode the dense kernels propagate shapes through the ops' fake implementations, launching
+  nothing (the grouped ones read their CPU offsets' values first, which a fake tensor does not have).
+- ``dispatcher_op`` itself: the function runs outside any mode either way, and the op joins ``OPS``.
+Selective checkpointing, the reason for all this, is tested in tests/test_checkpointing.py (kernels) and in
+the multi-rank jobs of tests/test_comm_functional.py and tests/test_fused_tp.py (collectives).
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from smptk.kernels import _dispatch, fused_linear, grouped_linear, grouped_swiglu, runtime, swiglu
+
+
+class _Seen(TorchDispatchMode):
+    """Records the name of every op dispatched, and runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _triton_or_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        path = runtime.select_path(torch.empty(0))
+    except RuntimeError as e:  # TRITON_INTERPRET set after triton was imported
+        pytest.skip(f"needs smptk's Triton kernels on CPU: {e}")
+    if path != "triton":
+        pytest.skip("needs smptk's Triton kernels on CPU (TRITON_INTERPRET=1, set by conftest without CUDA)")
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+
+
+def _calls():
+    """Each kernel with small odd shapes: ``name -> (op name, fn(tensors) -> output, input tensors)``."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    offsets = torch.tensor([0, 3, 3, 7])
+    return {
+        "fused_linear": (
+            "smptk::fused_linear_fwd",
+            lambda x, w, b: fused_linear(x, w, b, activation="gelu"),
+            [r(2, 5, 12), r(9, 12), r(9)],
+        ),
+        "swiglu": ("smptk::swiglu_fwd", swiglu, [r(7, 12), r(10, 12), r(10, 12)]),
+        "grouped_linear": (
+            "smptk::grouped_linear_fwd",
+            lambda x, w, b: grouped_linear(x, w, offsets, bias=b, activation="silu"),
+            [r(7, 12), r(3, 9, 12), r(3, 9)],
+        ),
+        "grouped_swiglu": (
+            "smptk::grouped_swiglu_fwd",
+            lambda x, wg, wu: grouped_swiglu(x, wg, wu, offsets),
+            [r(7, 12), r(3, 10, 12), r(3, 10, 12)],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_a_mode_sees_one_op_with_the_same_results(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _triton_or_skip(monkeypatch)
+    op, fn, inputs = _calls()[name]
+    results = {}
+    for mode in ("direct", "mode"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        seen = _Seen()
+        if mode == "mode":
+            with seen:
+                out = fn(*leaves)
+            assert seen.ops.count(op) == 1, seen.ops
+            assert "aten::empty.memory_format" not in seen.ops, "the launch's buffers were dispatched"
+        else:
+            out = fn(*leaves)
+        up = torch.ones_like(out)
+        results[mode] = (out.detach(), *torch.autograd.grad(out, leaves, up))
+    for got, want in zip(results["mode"], results["direct"], strict=True):
+        assert torch.equal(got, want)
+
+
+# The grouped calls check their CPU offsets' values (a host read), which fake tensors cannot give.
+@pytest.mark.parametrize("name", ["fused_linear", "swiglu"])
+def test_fake_tensors_get_shapes_without_a_launch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _triton_or_skip(monkeypatch)
+    _, fn, inputs = _calls()[name]
+    want = fn(*inputs).shape
+    import smptk.kernels._gemm as gemm  # imported by the call above
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a GEMM was launched on fake tensors")
+
+    for launcher in ("matmul", "swiglu_matmul", "grouped_matmul", "grouped_swiglu_matmul"):
+        monkeypatch.setattr(gemm, launcher, no_launch)
+    with FakeTensorMode() as fake:
+        out = fn(*[fake.from_tensor(t) for t in inputs])
+    assert out.shape == want
+
+
+def test_dispatcher_op_registers_its_function() -> None:
+    """The caller runs the function (directly without a mode, through ``smptk::<name>`` under one, where the
+    mode sees the op and not what the function runs), and the op joins ``OPS``."""
+    depth = []
+
+    @_dispatch.dispatcher_op("test_probe", fake=lambda x: torch.empty_like(x))
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        depth.append(torch._C._len_torch_dispatch_stack())
+        return x + 1
+
+    x, one = torch.zeros(2), torch.ones(2)
+    assert torch.equal(probe(x), one)
+    with _Seen() as seen:
+        y = probe(x)
+    assert torch.equal(y, one)
+    assert seen.ops == ["smptk::test_probe"], "the mode sees the op, not the add inside it"
+    assert depth == [0, 0], "the function runs outside any mode both times"
+    assert probe.op is torch.ops.smptk.test_probe.default and probe.op in _dispatch.OPS
+
+
+def test_examples() -> None:
+    result = doctest.testmod(_dispatch, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
