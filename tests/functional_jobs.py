@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -329,6 +330,78 @@ def case_selective_checkpointing(ctx: _Ctx, problems: list[str]) -> None:
         _same(problems, f"{mode} checkpointing grad", grads[mode], grads["plain"])
 
 
+def case_saved_as_shard(ctx: _Ctx, problems: list[str]) -> None:
+    """``saved_as_shard``: inside it, what autograd saves of a gathered tensor is this rank's block (an outer
+    ``saved_tensors_hooks`` sees the block's shape, never the gathered one), backward gathers it again once
+    for the two ops that saved views of it, and the gradients equal those of the plain run exactly. Inside
+    torch's checkpoint it does nothing; a block modified in place after the forward makes backward raise."""
+    from comm_checks import expect_raises
+    from torch.utils.checkpoint import checkpoint
+
+    from smptk.comm import collectives
+
+    g = dist.group.WORLD
+    x0 = _ints((3, 5), ctx.next_seed(), ctx.rank, torch.float32)
+    w0 = _ints((2, 5), ctx.next_seed(), 0, torch.float32)
+    up = _ints((3 * ctx.world, 2), ctx.next_seed(), ctx.rank, torch.float32)
+
+    def block(x, w, keep: bool):
+        full = F.all_gather(x, g)
+        with F.saved_as_shard(full, x, g) if keep else contextlib.nullcontext():
+            return torch.nn.functional.linear(full, w).sin() + torch.cos(full).sum(-1, keepdim=True)
+
+    def run(mode: str):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        shapes: list[tuple] = []
+        record = lambda t: shapes.append(tuple(t.shape)) or t
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+            if mode == "checkpoint":
+                out = checkpoint(block, x, w, True, use_reentrant=False)
+            else:
+                out = block(x, w, mode == "shard")
+        gathers, original = [0], collectives.all_gather_into_tensor
+
+        def counted(*args, **kwargs):
+            gathers[0] += 1
+            return original(*args, **kwargs)
+
+        collectives.all_gather_into_tensor = counted
+        try:
+            grads = torch.autograd.grad(out, (x, w), up)
+        finally:
+            collectives.all_gather_into_tensor = original
+        return grads, shapes, gathers[0]
+
+    plain, plain_shapes, plain_gathers = run("plain")
+    shard, shard_shapes, shard_gathers = run("shard")
+    full_shape = (3 * ctx.world, 5)
+    if full_shape not in plain_shapes:
+        problems.append(f"saved_as_shard: the plain run saved no gathered tensor: {plain_shapes}")
+    if full_shape in shard_shapes or shard_shapes.count((3, 5)) != 2:
+        problems.append(f"saved_as_shard: outer hooks saw {shard_shapes}, expected the block (3, 5) twice")
+    if (plain_gathers, shard_gathers) != (0, 1):
+        problems.append(f"saved_as_shard: backward all-gathers plain {plain_gathers}, kept {shard_gathers}")
+    for name, got, ref in zip(("x", "w"), shard, plain, strict=True):
+        _same(problems, f"saved_as_shard grad {name}", got, ref)
+    ckpt, _, ckpt_gathers = run("checkpoint")
+    for name, got, ref in zip(("x", "w"), ckpt, plain, strict=True):
+        _same(problems, f"saved_as_shard under checkpoint grad {name}", got, ref)
+    if ckpt_gathers != 1:  # the recompute's forward all-gather; the context added none
+        problems.append(f"saved_as_shard under checkpoint: {ckpt_gathers} all-gathers in backward")
+    # a block modified in place after the forward: every rank raises before any collective
+    x = x0.clone().requires_grad_()
+    out = block(x, w0, True)
+    with torch.no_grad():
+        x.add_(1)
+    for label, call, exc, text in (
+        ("a modified block", lambda: out.sum().backward(), RuntimeError, "modified in place"),
+        ("a wrong full tensor", lambda: F.saved_as_shard(torch.zeros(3, 5), x0, g).__enter__(), ValueError,
+         "expected the contiguous all-gather of local along dim 0"),
+    ):  # fmt: skip
+        if (problem := expect_raises(call, exc, text)) is not None:
+            problems.append(f"saved_as_shard, {label}: {problem}")
+
+
 CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
     "all_gather": case_all_gather,
     "reduce_scatter": case_reduce_scatter,
@@ -336,6 +409,7 @@ CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
     "all_to_all": case_all_to_all,
     "copy_reduce_pair": case_copy_reduce_pair,
     "selective_checkpointing": case_selective_checkpointing,
+    "saved_as_shard": case_saved_as_shard,
     "bad_input": case_bad_input,
 }
 

@@ -185,7 +185,7 @@ def _documented_block(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: b
         spec.intermediate_size // t,
     )
     norms = 2 * (Tr * h * B + 4 * Tr)
-    inputs = (3 + 2 if sp else 2) * T * h * B
+    inputs = 2 * Tr * h * B  # q / k / v's and gate / up's (under SP the sequence block: saved_as_shard)
     attention = T * d * (2 * a + 2 * g) * B + 4 * T * a  # the output is o_proj's input (a view)
     mlp = 4 * T * f * B
     return norms + inputs + attention + mlp
@@ -195,7 +195,7 @@ def _outside(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: bool = Fal
     T = b * s
     Tr = T // t if sp else T
     ids = 16 * T + (3 * T if t > 1 else 0)  # ids and targets (int64), vocab-parallel bool masks
-    return ids + Tr * spec.hidden_size * B + 4 * Tr + T * spec.hidden_size * B + 4 * T * spec.vocab_size // t
+    return ids + 2 * Tr * spec.hidden_size * B + 4 * Tr + 4 * T * spec.vocab_size // t  # norm, head inputs
 
 
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)])

@@ -31,8 +31,10 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import math
 import os
 
 import torch
@@ -105,6 +107,10 @@ def _batch(rank: int, step: int, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, seq), generator=gen)
 
 
+def _nothing():
+    return contextlib.nullcontext()
+
+
 def _train(
     problems: list[str],
     kind: str,
@@ -138,9 +144,16 @@ def _train(
         problems.append("no decoder layer checkpointed")
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    saved: list[tuple] = []  # the shapes (a DTensor's local shard's) autograd saves in the first forward
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(getattr(t, "_local_tensor", t).shape))
+        return t
+
     for step in range(2):
         ids = _batch(mine, step, seq)
-        out = module(ids, labels=ids)
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t) if step == 0 else _nothing():
+            out = module(ids, labels=ids)
         loss = out.loss + sp.moe_aux_loss(module)
         loss.backward()
         opt.step()
@@ -162,6 +175,14 @@ def _train(
     tp = config.get("tensor_parallel_degree", 1)
     if seen[0] != (seq // tp if sp_ else seq):
         problems.append(f"layer 0's norm saw {seen[0]} of {seq} tokens (tp {tp}, sequence_parallel {sp_})")
+    # Under sequence parallelism without checkpointing what the projections and the head save of their
+    # gathered input is this rank's block (saved_as_shard): no tensor of batch x seq hidden states (in
+    # any view: a linear saves its input as [batch * seq, hidden]) is kept, only blocks of seq / tp.
+    h = model.config.hidden_size
+    kept = [math.prod(s) // (2 * h) for s in saved if s and s[-1] == h]  # sequence positions held
+    no_ac = config.get("activation_checkpointing", "none") == "none"
+    if sp_ and no_ac and (seq in kept or seq // tp not in kept):
+        problems.append(f"saved hidden states of {kept} positions (seq {seq}, tp {tp})")
     got, want = hf_named(module), dict(ref.named_parameters())
     if set(got) != set(want):
         problems.append(f"parameter names differ: {sorted(set(got) ^ set(want))}")

@@ -13,6 +13,8 @@ Legend: W ranks in the group, r this rank's index in it, ``x`` this rank's input
 - :func:`copy_to_group`: identity (``x`` replicated on every rank); backward: the all-reduce (sum) of
   ``g``.
 - :func:`reduce_from_group`: ``y = sum(x_0 .. x_{W-1})``; backward: identity.
+- :func:`saved_as_shard`: a context in which what autograd saves of an all-gather's output is kept as this
+  rank's input and gathered again when backward needs it (sequence parallelism's memory saving).
 
 Gradient convention. Each rank's backward seeds the gradient of its own output, and the gradient of
 an input is the sum of what every rank's output contributes to it: the objective is the sum of the
@@ -56,7 +58,8 @@ Example (every rank of a 4-rank job, a ``(2, 2)`` mesh named ``("dp", "tp")``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -471,3 +474,116 @@ def reduce_from_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None 
     replicated on every rank, so every rank holds the whole gradient already and passes it through.
     """
     return _ReduceFromGroup.apply(_check_x(x), resolve_group(group), max_sms)
+
+
+# -- keeping a gathered tensor as its shard while autograd holds it ------------------------------------------
+
+
+def _innermost_saved_tensor_hooks() -> tuple | None:
+    """The ``(pack, unpack)`` pair autograd applies now (the innermost ``saved_tensors_hooks``), or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def shard_saving_applies() -> bool:
+    """Whether :func:`saved_as_shard` acts here: not inside torch's checkpoint (whose own hooks are
+    innermost: a checkpointed region keeps only its inputs, or what the selective policy names, and
+    recomputes the gather), and only where this torch has the hook query it needs."""
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        return False
+    hooks = _innermost_saved_tensor_hooks()
+    return hooks is None or getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint"
+
+
+class _Shard:
+    """What autograd holds for a saved view of the gathered tensor: the shard (packed by any outer hooks),
+    its version when packed, and the view's geometry."""
+
+    __slots__ = ("held", "offset", "shape", "stride", "version")
+
+    def __init__(self, held, version: int, view: torch.Tensor) -> None:
+        self.held, self.version = held, version
+        self.shape, self.stride, self.offset = view.shape, view.stride(), view.storage_offset()
+
+
+@contextlib.contextmanager
+def saved_as_shard(
+    full: torch.Tensor, local: torch.Tensor, group: GroupLike, *, dim: int = 0, max_sms: int | None = None
+) -> Iterator[None]:
+    """Inside, autograd keeps what it saves of ``full`` (``all_gather(local, group, dim=dim)``) as ``local``,
+    and gathers it again when backward unpacks it.
+
+    A sequence-parallel column-parallel layer all-gathers its input's sequence blocks and runs its GEMM on
+    the gathered input, which the GEMM's backward needs for the weight gradient: kept as is, that is ``W``
+    times this rank's block per layer, alive from forward to backward. Megatron-LM keeps the block and
+    gathers again in backward; this context does that for whatever runs inside it (smptk's kernels, torch's
+    ops): a saved tensor that is a view of ``full``'s storage is packed as ``local`` (one reference, shared
+    by every view and layer that saves it) and unpacked as the same view of a fresh all-gather, the same
+    collective with the same result. Other saved tensors pass through.
+
+    Composes with ``saved_tensors_hooks`` around it (they see ``local`` where they would have seen
+    ``full``), and does nothing inside torch's activation checkpointing (:func:`shard_saving_applies`:
+    there the region keeps only its inputs, or what the selective policy names, which includes the
+    gather's output). Backward raises if ``local`` was modified in place after the forward, as autograd
+    does for a tensor it saved. Every rank must run the backward of the same layers (the unpack is a
+    collective), as they do for the gradient collectives.
+
+    Args:
+        full: the output of :func:`all_gather` of ``local`` over ``group`` along ``dim`` (contiguous).
+        local: this rank's input to that all-gather.
+        group, dim, max_sms: as given to :func:`all_gather`.
+
+    Example::
+
+        >>> x_full = all_gather(x_local, group, dim=1)
+        >>> with saved_as_shard(x_full, x_local, group, dim=1):
+        ...     y = torch.nn.functional.linear(x_full, w)        # keeps x_local, not x_full
+    """
+    g = resolve_group(group)
+    d = _check_dim(_check_x(local, min_dim=1), dim)
+    want = list(local.shape)
+    want[d] *= dist.get_world_size(g)
+    if not isinstance(full, torch.Tensor) or list(full.shape) != want or not full.is_contiguous():
+        got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+        raise ValueError(
+            f"full: expected the contiguous all-gather of local along dim {d}, shape {tuple(want)}, got {got}"
+        )
+    if not shard_saving_applies() or full.device.type == "meta":
+        yield
+        return
+    outer = _innermost_saved_tensor_hooks()
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+    # what pack compares against, not ``full`` itself: the hooks live as long as what they packed, and
+    # holding ``full`` would keep it alive to backward, the memory this context is for
+    device, storage = full.device, full.untyped_storage().data_ptr()
+    group_name = g.group_name
+    # The views packed and not yet unpacked, and the re-gathered tensor: kept from the first unpack to the
+    # last, so the views that several ops saved share one gather (a graph kept for a second backward
+    # unpacks again: it then gathers again).
+    cache: dict = {"pending": 0, "full": None}
+
+    def pack(t: torch.Tensor):
+        # plain tensors only: a subclass (a DTensor's wrapper) has no storage of its own to compare
+        if type(t) is torch.Tensor and t.device == device and t.untyped_storage().data_ptr() == storage:
+            cache["pending"] += 1
+            return _Shard(outer_pack(local) if outer_pack else local, local._version, t)
+        return outer_pack(t) if outer_pack else t
+
+    def unpack(packed):
+        if not isinstance(packed, _Shard):
+            return outer_unpack(packed) if outer_unpack else packed
+        shard = outer_unpack(packed.held) if outer_unpack else packed.held
+        if shard._version != packed.version:
+            raise RuntimeError(
+                "saved_as_shard: the local input of a gathered tensor that autograd saved was modified in "
+                f"place after the forward (version {packed.version} -> {shard._version})"
+            )
+        again = cache["full"]
+        if again is None:
+            with torch.no_grad():
+                again = _all_gather_fwd(shard.detach(), group_name, d, max_sms)
+        cache["pending"] -= 1
+        cache["full"] = again if cache["pending"] > 0 else None
+        return again.as_strided(packed.shape, packed.stride, packed.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

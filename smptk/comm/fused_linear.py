@@ -17,7 +17,9 @@ sequence (rank order = sequence order) and its ``[N_local, K]`` column shard of 
 
 Autograd (both paths): ``dz = dy * act'(z)``; ``dx_local = reduce_scatter(dz @ W)`` (sum over the ranks'
 partial products of each block: every rank multiplied every block by its own shard); ``dW = dz.T @
-x_gathered`` from the gathered input the forward kept (the fused kernel writes it anyway); ``db = sum(dz)``.
+x_gathered``, where the forward keeps only ``x_local`` and backward gathers it again (as
+:func:`smptk.comm.functional.saved_as_shard` does for the unfused path; inside torch's checkpointing it
+keeps the gathered input, which the fused kernel writes anyway); ``db = sum(dz)``.
 After a fused forward, ``dx_local`` is one GEMM + reduce-scatter launch where its partials fit the heap.
 
 ``linear_reduce_scatter(x, weight_local, bias, group=g)``: every rank holds all ``T`` rows of its ``[T,
@@ -190,7 +192,9 @@ class _AllGatherLinear(torch.autograd.Function):
     def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms):
         save_z = act != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
         out, gathered, z = _all_gather_linear_fwd(x, w, bias, act, save_z, g.group_name, programs)
-        ctx.save_for_backward(gathered, w, none_if_empty(z, save_z))
+        # keep this rank's block and gather again for dW in backward (see functional.saved_as_shard)
+        ctx.regather = functional.shard_saving_applies()
+        ctx.save_for_backward(x if ctx.regather else gathered, w, none_if_empty(z, save_z))
         ctx.act, ctx.group, ctx.max_sms, ctx.programs = act, g, max_sms, programs
         ctx.mark_non_differentiable(gathered)
         return out, gathered
@@ -199,12 +203,15 @@ class _AllGatherLinear(torch.autograd.Function):
     def backward(ctx, dy, _dgathered):
         gathered, w, z = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dz, db = _epilogue.activation_backward(dy.contiguous(), z, ctx.act, need_db, w.dtype)
         world = dist.get_world_size(ctx.group)
+        dz, db = _epilogue.activation_backward(dy.contiguous(), z, ctx.act, need_db, w.dtype)
         wt = w.t()  # dz @ w = dz @ wt.T: the GEMM + reduce-scatter's nn.Linear-layout weight
         heap = _coll._heap(ctx.group, dz)
         why = _unfused_reason(dz, wt, heap, world, scatter=True) if need_dx else "no input gradient needed"
         _last_backward[0] = "fused" if why is None else f"unfused: {why}"
+        if ctx.regather and (need_dw or (need_dx and why is not None)):  # the forward kept the block
+            block, gathered = gathered, gathered.new_empty((world * gathered.shape[0], gathered.shape[1]))
+            _coll.all_gather_into_tensor(gathered, block, ctx.group, max_sms=ctx.max_sms)
         dx_full, dw, _ = _fl.fused_linear_bwd(
             dz, gathered, w, None, _epilogue.ACT_NONE, (need_dx and why is not None, need_dw, False)
         )

@@ -7,8 +7,9 @@ length, ``K`` / ``N`` input / output features, ``V`` vocabulary size; ``[..]`` a
   ``r*N/T .. (r+1)*N/T``), bias ``Shard(0)``; ``y_local = act(x @ w_local.T + b_local)`` ``[.., N/T]``,
   or with ``swiglu=True`` a gate/up pair ``silu(x @ wg_local.T) * (x @ wu_local.T)``. Input: the
   replicated ``[.., K]``, or with ``sequence_parallel=True`` this rank's sequence block (all-gathered
-  along ``sequence_dim`` before the GEMM; backward: reduce-scatter). ``gather_output=True`` returns the
-  full ``[.., N]`` on every rank.
+  along ``sequence_dim`` before the GEMM; backward: reduce-scatter; the GEMM's backward keeps the block
+  and gathers it again for the weight gradient, :func:`smptk.comm.functional.saved_as_shard`).
+  ``gather_output=True`` returns the full ``[.., N]`` on every rank.
 - :class:`RowParallelLinear`: weight ``[N, K]`` as ``Shard(1)``, bias replicated; input ``[.., K/T]``
   (``input_is_parallel=True``: a column-parallel layer's output) or the replicated ``[.., K]``;
   ``y = sum_r x_r @ w_r.T`` by all-reduce, or with ``sequence_parallel=True`` reduce-scattered along
@@ -70,6 +71,8 @@ Example (every rank of a 2-rank tensor-parallel job)::
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -336,19 +339,22 @@ class ColumnParallelLinear(_TensorParallelLayer):
                 f"x: expected [..., {self.in_features}] (in_features), got shape {tuple(x.shape)}"
             )
         weights = [getattr(self, n).to_local() for n in self._weights]
+        keep = contextlib.nullcontext()
         if self.sequence_parallel:
             d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
             if d == 0 and not self.swiglu and not self.gather_output:
                 return self._fused_forward(x, weights[0])
-            x = cf.all_gather(x, self.group, dim=d)
+            x_local, x = x, cf.all_gather(x, self.group, dim=d)
+            keep = cf.saved_as_shard(x, x_local, self.group, dim=d)  # backward gathers it again
         else:
             x = cf.copy_to_group(x, self.group)
         self.last_kernel_path = runtime.select_path(x, weights[0])
-        if self.swiglu:
-            y = swiglu_kernel(x, *weights)
-        else:
-            b = self.bias.to_local() if self.bias is not None else None
-            y = fused_linear(x, weights[0], b, activation=self.activation)
+        with keep:
+            if self.swiglu:
+                y = swiglu_kernel(x, *weights)
+            else:
+                b = self.bias.to_local() if self.bias is not None else None
+                y = fused_linear(x, weights[0], b, activation=self.activation)
         if self.gather_output:
             # Zero-pad this rank's features into place and sum: the gather, with a backward that keeps
             # this rank's slice (the consumer is replicated); an all-gather's backward would sum T copies.

@@ -30,7 +30,9 @@ current one), in the order a model is prepared:
    embedding output (the model computed its causal mask and rotary positions from the full sequence
    first), the norms run on it with their weight gradients summed over ``tp``, the attention and the MLP
    each gather the sequence once at their input (one all-gather for q / k / v together, one for gate /
-   up), their row-parallel output layer reduce-scatters it, and the head gathers it back.
+   up; what the projections save of it for backward is kept as this rank's block and gathered again in
+   backward, :func:`smptk.comm.functional.saved_as_shard`, as Megatron-LM does), their row-parallel
+   output layer reduce-scatters it, and the head gathers it back.
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
 4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
    decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`.
@@ -55,6 +57,7 @@ Example (every rank, under torchrun; tiny random model, no download)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -258,13 +261,29 @@ def _replace_hidden_states(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
     return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
 
 
-def _gather_sequence_hook(group: Any, tp: int, rank: int):
-    """A forward pre-hook for an attention or MLP module under sequence parallelism (see ``_tp_plan``)."""
+def _gather_sequence(module: nn.Module, group: Any, tp: int, rank: int) -> None:
+    """Hooks on an attention or MLP module under sequence parallelism (see ``_tp_plan``): the pre-hook
+    gathers the sequence of the module's input and enters :func:`smptk.comm.functional.saved_as_shard`, so
+    what the projections save of the gathered input is kept as this rank's block (gathered again in
+    backward); the forward hook (run on an exception too) leaves it."""
+    import smptk.comm.functional as cf
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return _replace_hidden_states(args, kwargs, lambda x: _GatherSequence.apply(x, group, tp, rank))
+    open_contexts: list[contextlib.ExitStack] = []
 
-    return hook
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs["hidden_states"]
+        full = _GatherSequence.apply(x, group, tp, rank)
+        stack = contextlib.ExitStack()
+        stack.enter_context(cf.saved_as_shard(full, x, group, dim=1))
+        open_contexts.append(stack)
+        return _replace_hidden_states(args, kwargs, lambda _: full)
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if open_contexts:
+            open_contexts.pop().close()
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def _split_sequence_hook(group: Any, tp: int, rank: int):
@@ -390,7 +409,7 @@ def transform(
         base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)
         for layer in base.layers:
             for module in (layer.self_attn, layer.mlp):
-                module.register_forward_pre_hook(_gather_sequence_hook(group, tp, rank), with_kwargs=True)
+                _gather_sequence(module, group, tp, rank)
     module, dp_report = apply_data_parallel(
         model, state, modules=layers, use_smptk_collectives=use_smptk_collectives
     )

@@ -27,9 +27,9 @@ layers), term by term per block (no checkpointing):
 
 - each RMSNorm its input and fp32 rstd: ``2 (T_r h B + 4 T_r)``;
 - the inputs of the column-parallel projections: one replicated ``T h B`` shared by q / k / v and one
-  by gate / up; with sequence parallelism every column layer keeps its own all-gathered ``T h B``
-  (3 for q / k / v, 2 for gate / up: smptk's column layers save the gathered input, they do not
-  gather it again in backward);
+  by gate / up; with sequence parallelism the sequence block ``T_r h B`` instead (smptk's column layers
+  keep this rank's block and gather it again in backward, as Megatron-LM does:
+  :func:`smptk.comm.functional.saved_as_shard`), and the same for the LM head's input;
 - attention, ``"flash"`` (``F.scaled_dot_product_attention``'s flash kernels): q, k, v, the output and
   its fp32 log-sum-exp, ``T d (2 a_t + 2 g_t) B + 4 T a_t``; the kernel writes the output as
   ``[b, s, heads, d]``, so o_proj's input is a view of it, not a second tensor. ``"materialized"``
@@ -51,7 +51,7 @@ layers), term by term per block (no checkpointing):
 
 Outside the blocks: the token ids and the loss's targets (int64, ``16 T``; under tensor parallelism
 also the bool masks of the vocab-parallel embedding and loss, ``3 T``), the final norm, the LM head's
-input ``T h B`` and the loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and
+input ``T_r h B`` and the loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and
 :func:`smptk.parallel.vocab_parallel_cross_entropy` both keep it). Checkpointing: ``"full"`` keeps each
 block's input ``T_r h B`` (a MoE block also its routing, which the layer holds as attributes) and
 recomputes one block at a time in backward (that block's activations are transient); ``"selective"``
@@ -413,7 +413,7 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
     else:
         d = spec.head_dim
         g_t = spec.num_kv_heads // t
-        none += (3 if sp else 1) * T * h * B
+        none += Tr * h * B  # q / k / v's input (under SP the sequence block: they gather it again)
         if spec.qk_norm:
             none += T * (a_t + g_t) * (d * B + 4)
         sel += T * (a_t + 2 * g_t) * d * B
@@ -457,12 +457,12 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         cols, row_layers = 3, 1  # tensor-parallel layers: q, k, v; o (the MoE is whole on every tp rank)
     elif spec.mlp == "swiglu":
         f_t = spec.intermediate_size // t
-        none += (2 if sp else 1) * T * h * B + 4 * T * f_t * B
+        none += Tr * h * B + 4 * T * f_t * B
         sel += 2 * T * f_t * B + T * h * B
         cols, row_layers = 5, 2
     else:
         f_t = spec.intermediate_size // t
-        none += T * h * B + 2 * T * f_t * B
+        none += Tr * h * B + 2 * T * f_t * B
         sel += T * f_t * B + T * h * B
         cols, row_layers = 4, 2
     if t > 1 and not spec.is_mla:
@@ -525,7 +525,7 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
     V_t = -(-spec.vocab_size // t)
     h = spec.hidden_size
     ids = 16 * T + (3 * T if t > 1 else 0)  # int64 ids and targets (+ the vocab-parallel bool masks)
-    outside = ids + Tr * h * B + 4 * Tr + T * h * B + 4 * T * V_t
+    outside = ids + Tr * h * B + 4 * Tr + Tr * h * B + 4 * T * V_t  # head input: the block under SP
     terms.append(
         MemoryTerm(
             "activations: embedding, final norm, head, loss", outside, "activations",
