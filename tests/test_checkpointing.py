@@ -163,10 +163,13 @@ def test_selective_policy_lists_smptk_ops() -> None:
 
     names = {op.name() for op in saved_ops() - SAVED_OPS}
     kernels = ("fused_linear_fwd", "swiglu_fwd", "grouped_linear_fwd", "grouped_swiglu_fwd")
-    comm = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    comm = ("reduce_scatter", "all_reduce", "all_to_all")
     fused = ("all_gather_linear_fwd", "linear_reduce_scatter_fwd")
     assert names >= {f"smptk::{n}" for n in kernels + comm + fused}, names
     assert all(n.startswith("smptk::") for n in names)
+    # an all-gather's output is W times its input: recomputed (gathered again), not kept
+    assert "smptk::all_gather" not in names and torch.ops.smptk.all_gather.default not in saved_ops()
+    assert torch.ops._c10d_functional.all_gather_into_tensor.default not in saved_ops()
     assert torch.ops.aten.mm.default in saved_ops()
 
 

@@ -484,7 +484,7 @@ def _innermost_saved_tensor_hooks() -> tuple | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
-def shard_saving_applies() -> bool:
+def _shard_saving_applies() -> bool:
     """Whether :func:`saved_as_shard` acts here: not inside torch's checkpoint (whose own hooks are
     innermost: a checkpointed region keeps only its inputs, or what the selective policy names, and
     recomputes the gather), and only where this torch has the hook query it needs."""
@@ -521,9 +521,9 @@ def saved_as_shard(
     collective with the same result. Other saved tensors pass through.
 
     Composes with ``saved_tensors_hooks`` around it (they see ``local`` where they would have seen
-    ``full``), and does nothing inside torch's activation checkpointing (:func:`shard_saving_applies`:
-    there the region keeps only its inputs, or what the selective policy names, which includes the
-    gather's output). Backward raises if ``local`` was modified in place after the forward, as autograd
+    ``full``), and does nothing inside torch's activation checkpointing (:func:`_shard_saving_applies`:
+    there the region keeps only its inputs, or what the selective policy names, and the recompute runs
+    the all-gather again). Backward raises if ``local`` was modified in place after the forward, as autograd
     does for a tensor it saved. Every rank must run the backward of the same layers (the unpack is a
     collective), as they do for the gradient collectives.
 
@@ -547,7 +547,7 @@ def saved_as_shard(
         raise ValueError(
             f"full: expected the contiguous all-gather of local along dim {d}, shape {tuple(want)}, got {got}"
         )
-    if not shard_saving_applies() or full.device.type == "meta":
+    if not _shard_saving_applies() or full.device.type == "meta":
         yield
         return
     outer = _innermost_saved_tensor_hooks()

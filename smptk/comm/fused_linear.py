@@ -17,9 +17,8 @@ sequence (rank order = sequence order) and its ``[N_local, K]`` column shard of 
 
 Autograd (both paths): ``dz = dy * act'(z)``; ``dx_local = reduce_scatter(dz @ W)`` (sum over the ranks'
 partial products of each block: every rank multiplied every block by its own shard); ``dW = dz.T @
-x_gathered``, where the forward keeps only ``x_local`` and backward gathers it again (as
-:func:`smptk.comm.functional.saved_as_shard` does for the unfused path; inside torch's checkpointing it
-keeps the gathered input, which the fused kernel writes anyway); ``db = sum(dz)``.
+x_gathered``, where the forward keeps only ``x_local`` and backward gathers it again (as Megatron-LM does,
+and :func:`smptk.comm.functional.saved_as_shard` for the unfused path); ``db = sum(dz)``.
 After a fused forward, ``dx_local`` is one GEMM + reduce-scatter launch where its partials fit the heap.
 
 ``linear_reduce_scatter(x, weight_local, bias, group=g)``: every rank holds all ``T`` rows of its ``[T,
@@ -150,9 +149,10 @@ def _fused_forward(x, w, bias, act: int, save_z: bool, g: dist.ProcessGroup, hea
 
 # The two forwards as dispatcher ops (smptk.kernels._dispatch): selective checkpointing keeps their outputs
 # instead of running the GEMM and its collective again in backward. The group travels by name.
-def _all_gather_linear_fake(x, w, bias, act, save_z, group_name, programs):
+def _all_gather_linear_fake(x, w, bias, act, save_z, return_gathered, group_name, programs):
     T, N = dist.get_world_size(_coll._named_group(group_name)) * x.shape[0], w.shape[0]
-    return x.new_empty((T, N)), x.new_empty((T, x.shape[1])), x.new_empty((T, N) if save_z else (0,))
+    gathered = x.new_empty((T, x.shape[1]) if return_gathered else (0,))
+    return x.new_empty((T, N)), gathered, x.new_empty((T, N) if save_z else (0,))
 
 
 @dispatcher_op("all_gather_linear_fwd", fake=_all_gather_linear_fake)
@@ -162,13 +162,17 @@ def _all_gather_linear_fwd(
     bias: torch.Tensor | None,
     act: int,
     save_z: bool,
+    return_gathered: bool,
     group_name: str,
     programs: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_fused_forward` on the named group's heap; z empty unless ``save_z``."""
+    """:func:`_fused_forward` on the named group's heap: ``(out, gathered, z)``, gathered empty unless
+    ``return_gathered`` (selective checkpointing keeps every output of the op: the gathered input, W times
+    this rank's block, is returned only to a caller that asked for it), z empty unless ``save_z``."""
     g = _coll._named_group(group_name)
     out, gathered, z = _fused_forward(x, w, bias, act, save_z, g, _coll._heap(g, x), programs)
-    return out, gathered, (z if save_z else x.new_empty((0,)))
+    empty = x.new_empty((0,))
+    return out, (gathered if return_gathered else empty), (z if save_z else empty)
 
 
 def _linear_reduce_scatter_fake(x, w, bias, group_name, programs):
@@ -189,19 +193,20 @@ class _AllGatherLinear(torch.autograd.Function):
     """Fused forward, unfused backward (see the module docstring); inputs checked, x contiguous 2-D."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms):
+    def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms, want_gathered: bool):
         save_z = act != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
-        out, gathered, z = _all_gather_linear_fwd(x, w, bias, act, save_z, g.group_name, programs)
-        # keep this rank's block and gather again for dW in backward (see functional.saved_as_shard)
-        ctx.regather = functional.shard_saving_applies()
-        ctx.save_for_backward(x if ctx.regather else gathered, w, none_if_empty(z, save_z))
+        out, gathered, z = _all_gather_linear_fwd(
+            x, w, bias, act, save_z, want_gathered, g.group_name, programs
+        )
+        # this rank's block, gathered again for dW in backward (see functional.saved_as_shard)
+        ctx.save_for_backward(x, w, none_if_empty(z, save_z))
         ctx.act, ctx.group, ctx.max_sms, ctx.programs = act, g, max_sms, programs
         ctx.mark_non_differentiable(gathered)
         return out, gathered
 
     @staticmethod
     def backward(ctx, dy, _dgathered):
-        gathered, w, z = ctx.saved_tensors
+        x_block, w, z = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         world = dist.get_world_size(ctx.group)
         dz, db = _epilogue.activation_backward(dy.contiguous(), z, ctx.act, need_db, w.dtype)
@@ -209,9 +214,10 @@ class _AllGatherLinear(torch.autograd.Function):
         heap = _coll._heap(ctx.group, dz)
         why = _unfused_reason(dz, wt, heap, world, scatter=True) if need_dx else "no input gradient needed"
         _last_backward[0] = "fused" if why is None else f"unfused: {why}"
-        if ctx.regather and (need_dw or (need_dx and why is not None)):  # the forward kept the block
-            block, gathered = gathered, gathered.new_empty((world * gathered.shape[0], gathered.shape[1]))
-            _coll.all_gather_into_tensor(gathered, block, ctx.group, max_sms=ctx.max_sms)
+        gathered = x_block  # read below only by dW and the unfused dx, which gather it first
+        if need_dw or (need_dx and why is not None):
+            gathered = x_block.new_empty((world * x_block.shape[0], x_block.shape[1]))
+            _coll.all_gather_into_tensor(gathered, x_block, ctx.group, max_sms=ctx.max_sms)
         dx_full, dw, _ = _fl.fused_linear_bwd(
             dz, gathered, w, None, _epilogue.ACT_NONE, (need_dx and why is not None, need_dw, False)
         )
@@ -221,7 +227,7 @@ class _AllGatherLinear(torch.autograd.Function):
         elif need_dx:
             dx = dx_full.new_empty((dx_full.shape[0] // world, dx_full.shape[1]))
             _coll.reduce_scatter_tensor(dx, dx_full, "sum", ctx.group, max_sms=ctx.max_sms)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def all_gather_linear(
@@ -276,14 +282,16 @@ def all_gather_linear(
             raise ValueError(f"algorithm: 'fused' cannot run this call: {why}")
     if why is None:
         act = _epilogue.ACTIVATION_CODES[activation]
-        out, gathered = _AllGatherLinear.apply(x, weight_local, bias, act, g, programs, max_sms)
+        want = gathered_out is not None
+        out, gathered = _AllGatherLinear.apply(x, weight_local, bias, act, g, programs, max_sms, want)
         if gathered_out is not None:
             gathered_out.copy_(gathered)
         return out, "fused"
     full = functional.all_gather(x, g, dim=0, max_sms=max_sms)
     if gathered_out is not None:
         gathered_out.copy_(full.detach())
-    return fused_linear(full, weight_local, bias, activation=activation), f"unfused: {why}"
+    with functional.saved_as_shard(full, x, g, dim=0, max_sms=max_sms):  # as the fused path keeps x_local
+        return fused_linear(full, weight_local, bias, activation=activation), f"unfused: {why}"
 
 
 class _LinearReduceScatter(torch.autograd.Function):

@@ -11,10 +11,12 @@ torch.distributed.checkpoint see the model unchanged):
 - ``"selective"``: torch's selective checkpointing with an op-level policy: the outputs of matrix
   products, attention kernels and of collectives are kept (recomputing them costs FLOPs or
   communication), everything else (norms, activation functions, elementwise ops, softmax) is
-  recomputed. :func:`saved_ops` lists the ops kept: torch's (:data:`SAVED_OPS`) and smptk's own, whose
-  forwards (the Triton GEMMs of ``smptk.kernels``, the fused tensor-parallel linears and the collectives
-  of ``smptk.comm.functional``) run as dispatcher ops ``torch.ops.smptk.*`` while a dispatch mode such
-  as this policy's is active (:mod:`smptk.kernels._dispatch`), so the policy sees them and their
+  recomputed, and so are all-gathers, whose output is the group size times their input (gathering
+  again in backward keeps only the input, as Megatron-LM's sequence parallelism does).
+  :func:`saved_ops` lists the ops kept: torch's (:data:`SAVED_OPS`) and smptk's own, whose forwards
+  (the Triton GEMMs of ``smptk.kernels``, the fused tensor-parallel linears and the collectives of
+  ``smptk.comm.functional``) run as dispatcher ops ``torch.ops.smptk.*`` while a dispatch mode such as
+  this policy's is active (:mod:`smptk.kernels._dispatch`), so the policy sees them and their
   backward finds the kept outputs instead of launching the kernel again.
 
 Offloading (``sm_activation_offloading``, :class:`ActivationOffloader`): what a checkpointed unit keeps,
@@ -60,7 +62,7 @@ def _saved_ops() -> frozenset:
         (_aten, "_scaled_dot_product_cudnn_attention"),
         (_aten, "_scaled_dot_product_flash_attention_for_cpu"),
         (torch.ops._c10d_functional, "reduce_scatter_tensor"), (torch.ops._c10d_functional, "all_reduce"),
-        (torch.ops._c10d_functional, "all_gather_into_tensor"),
+        (torch.ops._c10d_functional, "all_to_all_single"),
     ]  # fmt: skip
     ops = []
     for namespace, name in names:
@@ -72,24 +74,37 @@ def _saved_ops() -> frozenset:
 
 SAVED_OPS = _saved_ops()
 
+# smptk's dispatcher ops whose outputs "selective" recomputes: an all-gather's output is W times its input,
+# and gathering again in backward keeps only the input (Megatron-LM's sequence parallelism does the same;
+# torchtitan's policy keeps no all-gather either). torch's functional all-gather is left out of SAVED_OPS
+# for the same reason.
+RECOMPUTED_SMPTK_OPS = ("smptk::all_gather",)
+_kept_smptk: dict[int, frozenset] = {}  # len(_dispatch.OPS) -> the smptk ops kept (ops register on import)
+
 
 def saved_ops() -> frozenset:
     """Every op whose outputs "selective" keeps: torch's (:data:`SAVED_OPS`) and smptk's dispatcher ops
-    (``torch.ops.smptk.*``: the Triton GEMM forwards, the fused tensor-parallel linears, the collectives).
+    (``torch.ops.smptk.*``: the Triton GEMM forwards, the fused tensor-parallel linears, the collectives)
+    but those in :data:`RECOMPUTED_SMPTK_OPS`.
 
     Example::
 
         >>> torch.ops.smptk.fused_linear_fwd.default in saved_ops()
         True
     """
-    return SAVED_OPS | frozenset(_dispatch.OPS)
+    n = len(_dispatch.OPS)
+    if n not in _kept_smptk:
+        _kept_smptk.clear()
+        _kept_smptk[n] = SAVED_OPS | frozenset(
+            op for op in _dispatch.OPS if op.name() not in RECOMPUTED_SMPTK_OPS
+        )
+    return _kept_smptk[n]
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    keep = op in SAVED_OPS or op in _dispatch.OPS
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
@@ -279,4 +294,10 @@ def apply_activation_checkpointing(
     return [n for n, _ in outer]
 
 
-__all__ = ["SAVED_OPS", "ActivationOffloader", "apply_activation_checkpointing"]
+__all__ = [
+    "RECOMPUTED_SMPTK_OPS",
+    "SAVED_OPS",
+    "ActivationOffloader",
+    "apply_activation_checkpointing",
+    "saved_ops",
+]

@@ -57,14 +57,14 @@ block's input ``T_r h B`` (a MoE block also its routing, which the layer holds a
 recomputes one block at a time in backward (that block's activations are transient); ``"selective"``
 (:func:`smptk.parallel.checkpointing.saved_ops`) keeps the input and the outputs of the matrix products,
 attention kernels and collectives: q, k, v, o, gate, up, down, attention output and log-sum-exp; under
-tensor parallelism each column-parallel layer's all-gathered input and each row-parallel layer's
-reduce-scattered output with sequence parallelism (smptk's unfused path; its fused row-parallel kernel
-keeps no separate partial product, ``T h B`` less per layer), the row-parallel layers' all-reduced
-outputs without; in a MoE block the router's logits, the routing, the grouped SwiGLU's output and
-``[g | u]`` and the grouped down projection's output per routed row, the shared experts' the same per
-token, and under expert parallelism the two all-to-alls' outputs (``2 T k h B``, derived, not measured;
-MLA's tensor-parallel collectives are not counted). smptk's Triton GEMMs and collectives are kept like
-torch's: their forwards are dispatcher ops under the policy's mode. Offloading moves the
+tensor parallelism each row-parallel layer's reduce-scattered output with sequence parallelism
+(smptk's unfused path; its fused row-parallel kernel keeps no separate partial product, ``T h B`` less
+per layer; all-gathers are recomputed), its all-reduced output without; in a MoE block the router's
+logits, the routing, the grouped SwiGLU's output and ``[g | u]`` and the grouped down projection's
+output per routed row, the shared experts' the same per token, and under expert parallelism the two
+all-to-alls' outputs (``2 T k h B``, derived, not measured; MLA's tensor-parallel collectives are not
+counted). smptk's Triton GEMMs and collectives are kept like torch's: their forwards are dispatcher ops
+under the policy's mode. Offloading moves the
 checkpointed inputs to pinned host memory and keeps at most ``activation_loading_horizon`` of them on
 the GPU; the host bytes are reported (not in the GPU total). Korthikanti et al. (2022) count
 ``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no dropout and a SwiGLU MLP, so its
@@ -454,22 +454,22 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         sel += 4 * T * E + routing + rows * (3 * fm + h) * B + T * (3 * fs + (h if fs else 0)) * B
         if sizes["ep"] > 1:
             sel += 2 * rows * h * B  # the two all-to-alls' outputs (derived, not measured)
-        cols, row_layers = 3, 1  # tensor-parallel layers: q, k, v; o (the MoE is whole on every tp rank)
+        row_layers = 1  # the row-parallel o (the MoE is whole on every tp rank)
     elif spec.mlp == "swiglu":
         f_t = spec.intermediate_size // t
         none += Tr * h * B + 4 * T * f_t * B
         sel += 2 * T * f_t * B + T * h * B
-        cols, row_layers = 5, 2
+        row_layers = 2
     else:
         f_t = spec.intermediate_size // t
         none += Tr * h * B + 2 * T * f_t * B
         sel += T * f_t * B + T * h * B
-        cols, row_layers = 4, 2
+        row_layers = 2
     if t > 1 and not spec.is_mla:
-        # the collectives' outputs, which "selective" keeps: each column-parallel layer's all-gathered input
-        # and each row-parallel layer's reduce-scattered output with sequence parallelism, the row-parallel
-        # layers' all-reduced outputs without
-        sel += (cols * T * h * B + row_layers * Tr * h * B) if sp else row_layers * T * h * B
+        # the collectives' outputs, which "selective" keeps: each row-parallel layer's reduce-scattered
+        # output with sequence parallelism (the column layers' all-gathers run again in backward), its
+        # all-reduced output without
+        sel += row_layers * (Tr if sp else T) * h * B
     return {"none": none, "full": Tr * h * B + routing, "selective": sel}
 
 
