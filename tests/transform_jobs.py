@@ -13,7 +13,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``tp2_qwen2``: q / k / v biases split with their weights; logits and loss equal.
 - ``tp2_qwen3``: Qwen3's per-head q / k norms, whose weight gradients must be summed over ``tp``.
 - ``tp2_sp_llama``, ``tp2_sp_qwen3``: the same with ``sequence_parallel=True`` (sequence length 10): the
-  residual stream split along the sequence, the norms' weight gradients summed over ``tp``.
+  residual stream split along the sequence, the norms' weight gradients summed over ``tp``;
+  ``tp2_sp_selective_llama`` under selective checkpointing (the kept GEMM and reduce-scatter outputs,
+  the all-gathers run again).
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
@@ -273,6 +275,13 @@ CASES = {
         sp_=True,
     ),
     "tp2_sp_qwen3": lambda p: _train(p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True),
+    "tp2_sp_selective_llama": lambda p: _train(
+        p,
+        "llama",
+        {"tensor_parallel_degree": 2, "activation_checkpointing": "selective"},
+        same_batch=True,
+        sp_=True,
+    ),
     "meta_tp2_llama": lambda p: _meta_load(p, "llama", {"tensor_parallel_degree": 2}),
     "meta_ep2_mixtral": lambda p: _meta_load(p, "mixtral", {"expert_parallel_degree": 2}),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),

@@ -13,7 +13,9 @@ length, ``K`` / ``N`` input / output features, ``V`` vocabulary size; ``[..]`` a
 - :class:`RowParallelLinear`: weight ``[N, K]`` as ``Shard(1)``, bias replicated; input ``[.., K/T]``
   (``input_is_parallel=True``: a column-parallel layer's output) or the replicated ``[.., K]``;
   ``y = sum_r x_r @ w_r.T`` by all-reduce, or with ``sequence_parallel=True`` reduce-scattered along
-  ``sequence_dim`` (``[.., s/T, .., N]``); the bias is added once, after the reduction.
+  ``sequence_dim`` (``[.., s/T, .., N]``); the bias is added once, after the reduction. The GEMM and its
+  reduction are one dispatcher op, so selective checkpointing keeps the reduced output only, not the
+  partial product over the whole sequence.
 - :class:`VocabParallelEmbedding`: weight ``[V, H]`` as ``Shard(0)`` over the vocabulary; ids outside
   this rank's rows look up zeros, then all-reduce (or reduce-scatter along ``sequence_dim``).
 - :func:`smptk.parallel.loss.vocab_parallel_cross_entropy` takes the vocab-sharded logits of a
@@ -77,17 +79,23 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import smptk.comm.functional as cf
+from smptk.comm import collectives as _coll
 from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
-from smptk.kernels._checks import ACTIVATIONS
+from smptk.kernels._checks import ACTIVATIONS, autocast_inputs
+from smptk.kernels._dispatch import dispatcher_op
+from smptk.kernels._triton import kernel_module
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
 
 PATHS = ("fused", "unfused")  # what ``last_path`` can say
+_fl = kernel_module("smptk.kernels.fused_linear")
+_epilogue = kernel_module("smptk.kernels._epilogue")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -384,6 +392,56 @@ class ColumnParallelLinear(_TensorParallelLayer):
         )
 
 
+# The row-parallel layer's unfused forward, its partial product and the reduction of it, as one dispatcher op
+# (smptk.kernels._dispatch): selective checkpointing then keeps only the reduced output, not also the
+# partial product ([.., N] over the whole sequence) that nothing in backward reads.
+def _row_parallel_fake(x, w, group_name, dim, max_sms):
+    shape = [*x.shape[:-1], w.shape[0]]
+    if dim >= 0:
+        shape[dim] //= torch.distributed.get_world_size(_coll._named_group(group_name))
+    return x.new_empty(shape)
+
+
+@dispatcher_op("row_parallel_linear_fwd", fake=_row_parallel_fake)
+def _row_parallel_fwd(
+    x: torch.Tensor, w: torch.Tensor, group_name: str, dim: int, max_sms: int | None
+) -> torch.Tensor:
+    """``x @ w.T`` on this rank, reduce-scattered along ``dim`` over the named group (sequence parallelism),
+    or all-reduced where ``dim`` is -1."""
+    partial = fused_linear(x, w)
+    if dim >= 0:
+        return cf._reduce_scatter_fwd(partial, group_name, dim, "sum", max_sms)
+    return cf._all_reduce_fwd(partial, group_name, "sum", max_sms)
+
+
+class _RowParallelLinearFunction(torch.autograd.Function):
+    """:func:`_row_parallel_fwd` with its backward: the reduce-scatter's (all-gather the gradient along the
+    sequence) or the replicated region's (identity), then the GEMM's (``dx = g @ w``, ``dw = g.T @ x``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, dim: int, max_sms):
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.dim, ctx.max_sms = group, dim, max_sms
+        return _row_parallel_fwd(x, w, group.group_name, dim, max_sms)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        if ctx.dim >= 0:
+            g = cf._all_gather_fwd(g.contiguous(), ctx.group.group_name, ctx.dim, ctx.max_sms)
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        if runtime.select_path(x, w) == "triton":
+            dx, dw, _ = _fl.fused_linear_bwd(
+                g2.contiguous(), x2, w, None, _epilogue.ACT_NONE, (need_dx, need_dw, False)
+            )
+        else:
+            dx = g2 @ w if need_dx else None
+            dw = g2.t() @ x2 if need_dw else None
+        return (dx.view(x.shape) if dx is not None else None), dw, None, None, None
+
+
 class RowParallelLinear(_TensorParallelLayer):
     """``x @ W.T + b`` with ``W [N, K]`` split by input columns over the ``tp`` mesh; partial sums reduced.
 
@@ -465,11 +523,8 @@ class RowParallelLinear(_TensorParallelLayer):
             _check_seq_divisible("x", x.shape[d], d, tuple(x.shape), self.tp_size)
             if d == 0:
                 return self._fused_forward(x, w)
-        y = fused_linear(x, w)
-        if self.sequence_parallel:
-            y = cf.reduce_scatter(y, self.group, dim=d)
-        else:
-            y = cf.reduce_from_group(y, self.group)
+        x, w = autocast_inputs(x, w)  # as fused_linear would, so backward sees what the GEMM read
+        y = _RowParallelLinearFunction.apply(x, w, self.group, d if self.sequence_parallel else -1, None)
         if self.bias is not None:
             b = self.bias.to_local()
             if self.sequence_parallel:  # each rank's bias gradient covers its tokens only: sum them

@@ -35,7 +35,10 @@ current one), in the order a model is prepared:
    output layer reduce-scatters it, and the head gathers it back.
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
 4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
-   decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`.
+   decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`. The key-value cache is then
+   off while training (``config.use_cache = False``, and a call asking for it in train mode gets
+   ``use_cache=False``), as under Hugging Face's own gradient checkpointing: a recomputed layer would
+   append its keys to the cache a second time.
 5. **Data parallelism**: :func:`~smptk.parallel.apply_data_parallel` with one FSDP2 unit per decoder layer
    (or DDP for ``hybrid_shard_degree`` 1 where it applies).
 
@@ -286,6 +289,23 @@ def _gather_sequence(module: nn.Module, group: Any, tp: int, rank: int) -> None:
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
+def _no_cache_in_training(model: nn.Module, base: nn.Module) -> None:
+    """Checkpointed layers run their forward twice, and a key-value cache would see the keys twice: the
+    recompute's attention then reads 2 x seq keys (SDPA's causal path slices them back, so values agree,
+    but selective checkpointing's op-by-op replay fails, and a masked path would be wrong). Hugging Face
+    turns ``use_cache`` off under its own gradient checkpointing; here the config's default becomes False
+    and a pre-hook on the base model sets ``use_cache=False`` while it trains (generation in eval mode
+    keeps its cache)."""
+    model.config.use_cache = False
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module.training and kwargs.get("use_cache"):
+            kwargs = {**kwargs, "use_cache": False}
+        return args, kwargs
+
+    base.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _split_sequence_hook(group: Any, tp: int, rank: int):
     """A forward pre-hook for the first decoder layer under sequence parallelism: it hands the layer this
     rank's ``1 / tp`` of the sequence (dim 1) of the replicated embedding output. Backward sums the
@@ -404,6 +424,8 @@ def transform(
 
     layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
     checkpointed = apply_activation_checkpointing(model, state, modules=layers)
+    if checkpointed:
+        _no_cache_in_training(model, base)
     if sp:  # after the checkpoint's own hooks: a recompute runs the layer's hooks again, on its input
         group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
         base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)

@@ -57,9 +57,9 @@ block's input ``T_r h B`` (a MoE block also its routing, which the layer holds a
 recomputes one block at a time in backward (that block's activations are transient); ``"selective"``
 (:func:`smptk.parallel.checkpointing.saved_ops`) keeps the input and the outputs of the matrix products,
 attention kernels and collectives: q, k, v, o, gate, up, down, attention output and log-sum-exp; under
-tensor parallelism each row-parallel layer's reduce-scattered output with sequence parallelism
-(smptk's unfused path; its fused row-parallel kernel keeps no separate partial product, ``T h B`` less
-per layer; all-gathers are recomputed), its all-reduced output without; in a MoE block the router's
+tensor parallelism o's and down's outputs are the row-parallel layers' reduced outputs (their GEMM and
+reduction are one op, so the partial products are not kept), ``T_r h B`` each with sequence parallelism,
+and the all-gathers are recomputed; in a MoE block the router's
 logits, the routing, the grouped SwiGLU's output and ``[g | u]`` and the grouped down projection's
 output per routed row, the shared experts' the same per token, and under expert parallelism the two
 all-to-alls' outputs (``2 T k h B``, derived, not measured; MLA's tensor-parallel collectives are not
@@ -429,7 +429,7 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         core = T * (q_el + k_el + v_el) * B + b * a_t * s * s * B + s * s + T * out_el * B
         sel += b * a_t * s * s * B + T * out_el * B
     none += core
-    sel += T * h * B  # o_proj's product
+    sel += Tr * h * B  # o_proj's output (under TP one op with its reduction: only the reduced output)
     # MLP
     routing = 0
     if layer_moe:
@@ -454,22 +454,14 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
         sel += 4 * T * E + routing + rows * (3 * fm + h) * B + T * (3 * fs + (h if fs else 0)) * B
         if sizes["ep"] > 1:
             sel += 2 * rows * h * B  # the two all-to-alls' outputs (derived, not measured)
-        row_layers = 1  # the row-parallel o (the MoE is whole on every tp rank)
     elif spec.mlp == "swiglu":
         f_t = spec.intermediate_size // t
         none += Tr * h * B + 4 * T * f_t * B
-        sel += 2 * T * f_t * B + T * h * B
-        row_layers = 2
+        sel += 2 * T * f_t * B + Tr * h * B
     else:
         f_t = spec.intermediate_size // t
         none += Tr * h * B + 2 * T * f_t * B
-        sel += T * f_t * B + T * h * B
-        row_layers = 2
-    if t > 1 and not spec.is_mla:
-        # the collectives' outputs, which "selective" keeps: each row-parallel layer's reduce-scattered
-        # output with sequence parallelism (the column layers' all-gathers run again in backward), its
-        # all-reduced output without
-        sel += row_layers * (Tr if sp else T) * h * B
+        sel += T * f_t * B + Tr * h * B
     return {"none": none, "full": Tr * h * B + routing, "selective": sel}
 
 
