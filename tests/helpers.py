@@ -309,3 +309,35 @@ def fake_world(world: int, rank: int = 0) -> Iterator[None]:
     finally:
         parallel.reset()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A 1-rank gloo group in this process for the block (created here and destroyed after it), or the one
+    already initialized; skips the calling test when a larger group is initialized in this process."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        pytest.skip("a process group of more than one rank is already initialized in this process")
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def skip_unless_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip unless smptk's Triton kernels run on CPU tensors here (Triton's interpreter, which conftest turns
+    on without CUDA); then force them (``SMPTK_KERNELS=triton``) for the test."""
+    from smptk.kernels import runtime
+
+    try:
+        path = runtime.select_path(torch.empty(0))
+    except RuntimeError as e:  # TRITON_INTERPRET set after triton was imported
+        pytest.skip(f"needs smptk's Triton kernels on CPU: {e}")
+    if path != "triton":
+        pytest.skip("needs smptk's Triton kernels on CPU (TRITON_INTERPRET=1, set by conftest without CUDA)")
+    monkeypatch.setenv("SMPTK_KERNELS", "triton")

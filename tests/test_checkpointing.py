@@ -20,6 +20,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import skip_unless_triton_on_cpu
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -119,22 +120,11 @@ class KernelBlock(nn.Module):
         return x + self.moe(x)
 
 
-def _triton_blocker() -> str | None:
-    from smptk.kernels import runtime
-
-    try:
-        return None if runtime.select_path(torch.empty(0)) == "triton" else "the kernels take the torch path"
-    except RuntimeError as e:  # TRITON_INTERPRET set after triton was imported
-        return str(e)
-
-
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_selective_keeps_smptk_kernel_outputs(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """smptk's forwards are dispatcher ops while a mode is active (smptk.kernels._dispatch), so the selective
     policy keeps their outputs: backward launches no forward GEMM. "full" launches them all again."""
-    if (why := _triton_blocker()) is not None:
-        pytest.skip(f"needs smptk's Triton kernels on CPU (Triton's interpreter): {why}")
-    monkeypatch.setenv("SMPTK_KERNELS", "triton")
+    skip_unless_triton_on_cpu(monkeypatch)
     torch.manual_seed(0)
     plain = nn.Sequential(KernelBlock(), KernelBlock())
     model = copy.deepcopy(plain)

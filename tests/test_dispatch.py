@@ -15,10 +15,11 @@ import doctest
 
 import pytest
 import torch
+from helpers import skip_unless_triton_on_cpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from smptk.kernels import _dispatch, fused_linear, grouped_linear, grouped_swiglu, runtime, swiglu
+from smptk.kernels import _dispatch, fused_linear, grouped_linear, grouped_swiglu, swiglu
 
 
 class _Seen(TorchDispatchMode):
@@ -31,16 +32,6 @@ class _Seen(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.name())
         return func(*args, **(kwargs or {}))
-
-
-def _triton_or_skip(monkeypatch: pytest.MonkeyPatch) -> None:
-    try:
-        path = runtime.select_path(torch.empty(0))
-    except RuntimeError as e:  # TRITON_INTERPRET set after triton was imported
-        pytest.skip(f"needs smptk's Triton kernels on CPU: {e}")
-    if path != "triton":
-        pytest.skip("needs smptk's Triton kernels on CPU (TRITON_INTERPRET=1, set by conftest without CUDA)")
-    monkeypatch.setenv("SMPTK_KERNELS", "triton")
 
 
 def _calls():
@@ -70,7 +61,7 @@ def _calls():
 
 @pytest.mark.parametrize("name", list(_calls()))
 def test_a_mode_sees_one_op_with_the_same_results(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _triton_or_skip(monkeypatch)
+    skip_unless_triton_on_cpu(monkeypatch)
     op, fn, inputs = _calls()[name]
     results = {}
     for mode in ("direct", "mode"):
@@ -92,7 +83,7 @@ def test_a_mode_sees_one_op_with_the_same_results(name: str, monkeypatch: pytest
 # The grouped calls check their CPU offsets' values (a host read), which fake tensors cannot give.
 @pytest.mark.parametrize("name", ["fused_linear", "swiglu"])
 def test_fake_tensors_get_shapes_without_a_launch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _triton_or_skip(monkeypatch)
+    skip_unless_triton_on_cpu(monkeypatch)
     _, fn, inputs = _calls()[name]
     want = fn(*inputs).shape
     import smptk.kernels._gemm as gemm  # imported by the call above

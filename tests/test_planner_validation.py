@@ -33,8 +33,8 @@ from __future__ import annotations
 import planner_jobs as jobs
 import pytest
 import torch
-import torch.distributed as dist
 from comm_harness import run_ranks
+from helpers import one_rank_group
 
 from smptk.parallel.planner import estimate_memory
 
@@ -68,20 +68,12 @@ TRITON = _triton_runs_on_cpu()
 @pytest.fixture(scope="module")
 def single():
     """Every single-process case, on a 1-rank gloo group in this process."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        pytest.skip("a process group of more than one rank is already initialized in this process")
-    try:
+    with one_rank_group():
         out = {}
         for name, case in jobs.SINGLE.items():
             measure = "triton" if name in jobs.TRITON_MEASURED and TRITON else "torch"
             out[name] = jobs.run_case(*case, step_kernels="torch", measure_kernels=measure)
         yield out
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def _job(world: int) -> list:

@@ -28,10 +28,9 @@ transformers = pytest.importorskip(
     "where a package index is reachable)",
 )
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import transform_jobs as jobs  # noqa: E402
 from comm_harness import JobResult, run_ranks  # noqa: E402
-from helpers import NO_INTERPRETER_REASON  # noqa: E402
+from helpers import NO_INTERPRETER_REASON, one_rank_group  # noqa: E402
 from torch import nn  # noqa: E402
 
 import smptk.parallel as sp  # noqa: E402
@@ -54,15 +53,9 @@ def _build(kind: str, **overrides) -> nn.Module:
 
 @pytest.fixture(scope="module")
 def one_rank():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        pytest.skip("a process group of more than one rank is already initialized in this process")
-    yield
-    sp.reset()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
+        sp.reset()
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
