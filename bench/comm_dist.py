@@ -100,7 +100,7 @@ import torch
 import torch.distributed as dist
 
 from bench.config import CPU_NOTE, GPU_QUICK_NOTE
-from bench.counts import collective_counts, gemm_slowdown_bound
+from bench.counts import collective_counts, gemm_slowdown_bound, kernel_code_fields
 from bench.rows import RowWriter, base_row
 from bench.timing import summarize
 
@@ -506,6 +506,7 @@ def part_bandwidth(ctx: Ctx) -> None:
                 )
                 extra = {"comm_path": path, "check": check, "first_call_s": first_s}
                 extra["comm_settings"] = comm.settings()
+                extra |= kernel_code_fields(op, k)
                 ctx.emit(
                     "measurement",
                     "bandwidth",

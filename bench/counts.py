@@ -79,6 +79,53 @@ def collective_counts(kind: str, *, world: int, size_bytes: int) -> dict[str, fl
     return {"size_bytes": size_bytes, "busbw_factor": factor, "peer_bytes": round(peer)}
 
 
+# What each collective's kernel compiled to, as row columns beside its bandwidth (issue: "PTX facts in the
+# benchmark rows"): the data-moving kernel of each op in smptk.kernels.collectives.
+COLLECTIVE_KERNELS = {
+    "all_reduce_one_shot": "_all_reduce_one_shot_kernel",
+    "all_reduce_two_shot": "_all_reduce_two_shot_kernel",
+    "all_gather": "_all_gather_kernel",
+    "reduce_scatter": "_reduce_scatter_kernel",
+    "all_to_all": "_all_to_all_kernel",
+}
+PTX_COLUMNS = ("v128_loads", "v128_stores", "scalar_loads", "scalar_stores", "registers", "local_bytes")
+
+
+def kernel_code_fields(kind: str, max_sms: int) -> dict[str, object]:
+    """The ``ptx`` / ``ptx_note`` fields of a row for ``kind`` just run at ``max_sms`` (0: copy engine).
+
+    ``ptx``: :func:`smptk.kernels._codegen.compiled_facts` of the kernel that ran (its PTX target, counts of
+    128-bit and scalar global accesses, registers and local bytes per thread), or None when nothing was
+    compiled, ``ptx_note`` saying why: the copy engine moves data with no kernel, and Triton's interpreter
+    (a CPU) compiles nothing. Static counts: a loop body counts once, so they tell how wide the accesses
+    are, not how many run.
+
+    Example::
+
+        >>> kernel_code_fields("all_gather", 0)["ptx_note"]
+        'copy engine: no kernel moves the data (tensor copies)'
+    """
+    if kind not in COLLECTIVE_KERNELS:
+        raise ValueError(f"kind: expected one of {tuple(COLLECTIVE_KERNELS)}, got {kind!r}")
+    if max_sms == 0:
+        return {"ptx": None, "ptx_note": "copy engine: no kernel moves the data (tensor copies)"}
+    from smptk.comm.collectives import last_compiled
+    from smptk.kernels._codegen import compiled_facts
+
+    facts = compiled_facts(last_compiled(COLLECTIVE_KERNELS[kind]))
+    if facts is None:
+        return {
+            "ptx": None,
+            "ptx_note": "nothing compiled: the kernel ran in Triton's interpreter (CI's compile checks hold "
+            "the sm_90 figures: tests/test_comm_ptx.py)",
+        }
+    return {
+        "ptx": {k: facts[k] for k in ("target", *PTX_COLUMNS)},
+        "ptx_note": "static counts in the PTX of the kernel that ran (a loop body counts once); registers "
+        "and local bytes per thread as the driver reports them",
+    }
+
+
 # GEMM interference targets: a collective on k of the GPU's SMs may slow a concurrent GEMM by about its
 # share of the SMs, with a 20% margin; the copy engines (k = 0: no SM moves data) by at most 3%.
 SLOWDOWN_MARGIN = 1.2

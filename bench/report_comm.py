@@ -126,6 +126,22 @@ def _latest(rows: list[dict[str, Any]], key: Any) -> dict[Any, dict[str, Any]]:
     return out
 
 
+def ptx_text(row: dict[str, Any]) -> str:
+    """The row's compiled-code column: ``sm_90a · 128-bit ld/st 49/20 · scalar 12/6 · 94 regs · 0 B local``
+    (static counts in the PTX of the kernel that ran), or why there is none."""
+    ptx = row.get("ptx")
+    if not isinstance(ptx, dict):
+        note = str(row.get("ptx_note") or "")
+        if note.startswith("copy engine"):
+            return "no kernel (copy engine)"
+        return "— (interpreter: nothing compiled)" if note.startswith("nothing compiled") else "—"
+    return (
+        f"{ptx.get('target') or '?'} · 128-bit ld/st {ptx.get('v128_loads')}/{ptx.get('v128_stores')} · "
+        f"scalar {ptx.get('scalar_loads')}/{ptx.get('scalar_stores')} · {ptx.get('registers')} regs · "
+        f"{ptx.get('local_bytes')} B local"
+    )
+
+
 def _simulated_section(group: list[dict[str, Any]]) -> str:
     first = group[0]
     by_case = _latest(group, lambda r: (r.get("size_bytes"), r.get("max_sms")))
@@ -176,12 +192,13 @@ def _simulated_section(group: list[dict[str, Any]]) -> str:
             f"<td>{_esc(r.get('peer_bytes'))}</td><td>{_fmt(_num(r, 'peer_gbps'))}</td>"
             f"<td>{_esc(r.get('rounds'))}{' (capped)' if r.get('rounds_capped') else ''}</td>"
             f"<td class='l'>{_esc(_check_text(r.get('check')))}</td>"
-            f"<td class='l muted'>{_esc(r.get('kernel_path'))}</td></tr>"
+            f"<td class='l muted'>{_esc(r.get('kernel_path'))}</td>"
+            f"<td class='l muted'>{_esc(ptx_text(r))}</td></tr>"
         )
     detail_head = (
         "<tr><th class='l'>size</th><th>max_sms</th><th>median µs</th><th>IQR % of median</th>"
         "<th>algbw GB/s</th><th>busbw GB/s</th><th>peer bytes</th><th>peer GB/s</th><th>rounds</th>"
-        "<th class='l'>check</th><th class='l'>path</th></tr>"
+        "<th class='l'>check</th><th class='l'>path</th><th class='l'>compiled code</th></tr>"
     )
     return (
         f"<section><h2>{_esc(first.get('op'))} — W={_esc(first.get('world'))} — {_esc(first.get('dtype'))} "
@@ -504,12 +521,14 @@ def _dist_bandwidth_section(op: str, world: Any, dtype: str, group: list[dict[st
             f"<td>{_fmt(med * 1e6 if med else None)}</td>"
             f"<td>{_iqr_pct(r)}</td>"
             f"<td>{_esc(r.get('rounds'))}{f' × {iters}' if iters else ''}</td>"
-            f"<td class='l'>{_esc(_dist_check_text(r))}</td></tr>"
+            f"<td class='l'>{_esc(_dist_check_text(r))}</td>"
+            f"<td class='l muted'>{_esc(ptx_text(r) if r.get('impl') == 'smptk' else '')}</td></tr>"
         )
     detail_head = (
         "<tr><th class='l'>size</th><th class='l'>line</th><th>max_sms</th><th class='l'>path</th>"
         "<th class='l'>CTAs</th><th>busbw GB/s</th><th>algbw GB/s</th><th>median µs</th>"
-        "<th>IQR % of median</th><th>rounds × calls</th><th class='l'>check</th></tr>"
+        "<th>IQR % of median</th><th>rounds × calls</th><th class='l'>check</th>"
+        "<th class='l'>compiled code (smptk)</th></tr>"
     )
     return (
         f"<section><h3>{_esc(op)} — W={_esc(world)} — {_esc(dtype)} "

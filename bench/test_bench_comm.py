@@ -68,7 +68,7 @@ import pytest
 import torch
 
 from bench.config import current_mode
-from bench.counts import COLLECTIVES, collective_counts, linear_bytes, linear_flops
+from bench.counts import COLLECTIVES, collective_counts, kernel_code_fields, linear_bytes, linear_flops
 from bench.timing import _FALLBACK_SM_HZ, CLOCK, summarize
 from smptk.comm.simulated import SimulatedWorld, world_mode_label
 
@@ -350,6 +350,7 @@ def test_comm_simulated(benchmark: Any, case: CommCase, l2_flusher: Any, record:
         peer_bytes=counts["peer_bytes"],
         peer_gbps=counts["peer_bytes"] / median / 1e9 if median > 0 else None,
         rounds_capped=capped,
+        **kernel_code_fields(case.collective, case.max_sms),
     )
 
 

@@ -84,7 +84,6 @@ import inspect
 import json
 import os
 import queue
-import re
 import selectors
 import subprocess
 import sys
@@ -93,6 +92,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+from smptk.kernels._codegen import parse_ptxas_log, ptx_counts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARCHS = (90, 80)  # sm_90 (H100), sm_80 (A100)
@@ -794,37 +795,11 @@ def _compile_one(v: Variant):
     return facts, kernel.asm["ptx"]
 
 
-# PTX instructions counted in every kernel (see the module docstring).
-_PTX_COUNTS = {
-    "wgmma": re.compile(r"wgmma\.mma_async"),
-    "tma_loads": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"),
-    "tma_stores": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"),
-    # Global accesses by width. Qualifiers (.volatile, cache and eviction hints, .L2::...) may sit between
-    # "ld.global" and the vector/type suffix; 128 bits = 4 x 32 or 2 x 64 bits.
-    "v128_loads": re.compile(r"\bld\.global(?:\.[\w:]+)*?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\s"),
-    "v128_stores": re.compile(r"\bst\.global(?:\.[\w:]+)*?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\s"),
-    "scalar_loads": re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*?\.[bfsu](?:8|16|32)\s"),
-    "scalar_stores": re.compile(r"\bst\.global(?:\.(?!v\d)[\w:]+)*?\.[bfsu](?:8|16|32)\s"),
-}
-_PTXAS_REGS = re.compile(r"Used (\d+) registers")
-_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _GPU_NAME = {90: "sm_90a", 80: "sm_80"}  # Triton's --gpu-name per target (sm_90a: wgmma and TMA)
 
 
-def _parse_ptxas_log(text: str) -> dict | None:
-    """Registers and spill bytes from a ``ptxas -v`` log (summed over functions); None without them."""
-    regs, spills = _PTXAS_REGS.findall(text), _PTXAS_SPILLS.findall(text)
-    if not regs or not spills:
-        return None
-    return {
-        "registers": max(int(r) for r in regs),
-        "spill_stores": sum(int(s) for s, _ in spills),
-        "spill_loads": sum(int(ld) for _, ld in spills),
-    }
-
-
 def _ptxas_facts(arch: int, ptx: str, compile_log: str) -> dict:
-    """``_parse_ptxas_log`` of the ptxas run that made the cubin. Triton prints its log into the compile's
+    """``parse_ptxas_log`` of the ptxas run that made the cubin. Triton prints its log into the compile's
     captured output (TRITON_DUMP_PTXAS_LOG=1) on a cache miss; the numbers are then kept in Triton's cache
     under the PTX's hash, so a cache hit reads them back. Failing both, ptxas runs here with Triton's flags
     (``-lineinfo -v --regAllocOptLevel=2 --gpu-name=...``)."""
@@ -838,7 +813,7 @@ def _ptxas_facts(arch: int, ptx: str, compile_log: str) -> dict:
     if cached is not None:
         with open(cached) as f:
             return json.load(f)
-    facts = _parse_ptxas_log(compile_log)
+    facts = parse_ptxas_log(compile_log)
     if facts is None:
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "kernel.ptx")
@@ -848,7 +823,7 @@ def _ptxas_facts(arch: int, ptx: str, compile_log: str) -> dict:
             run = subprocess.run(
                 [*cmd, "-o", os.path.join(d, "kernel.cubin")], capture_output=True, text=True
             )
-        facts = _parse_ptxas_log(run.stdout + run.stderr)
+        facts = parse_ptxas_log(run.stdout + run.stderr)
         if facts is None:
             raise RuntimeError(
                 f"ptxas -v printed no register/spill numbers (rc {run.returncode}):\n{run.stderr}"
@@ -904,7 +879,7 @@ def _worker() -> int:
                 if extra and extra != ["[PTX listing omitted]"]:
                     res["error"] += "\n--- compiler output ---\n" + "\n".join(extra)
             else:
-                res.update({k: len(rx.findall(ptx)) for k, rx in _PTX_COUNTS.items()})
+                res.update(ptx_counts(ptx))
                 try:
                     res.update(_ptxas_facts(v.arch, ptx, captured["text"]))
                 except Exception as e:  # compiled, but no numbers: the checks that need them fail

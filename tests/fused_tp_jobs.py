@@ -16,6 +16,9 @@ Cases (each returns None or what went wrong; a failure is recorded and the job g
 - ``unfused``: ``algorithm="unfused"`` takes the fallback (all_gather, then fused_linear) and says so,
   same checks.
 - ``bad_input``: a 3-D x_local and a wrong bias shape raise ValueError naming the argument.
+- ``mismatch``: rank 0 calls the all-gather GEMM while the others call a plain all-gather with the same
+  block: every rank raises CommMismatchError, and the message names each side's call by its own kind
+  ("all_gather_linear" against "all_gather"). The heap is rebuilt after it.
 - ``missing_rank``: rank W-1 never calls; every other rank raises CommTimeoutError naming [W-1]
   within the short timeout.
 
@@ -197,6 +200,37 @@ def _scatter_bad_input(rank: int, world: int) -> str | None:
     return "; ".join(p for p in problems if p) or None
 
 
+def _mismatch(rank: int, world: int) -> str | None:
+    """Rank 0 in the all-gather GEMM, the others in a plain all-gather of the same block: CommMismatchError
+    on every rank, naming both kinds of call."""
+    xs, ws, bs, _ = _problem(world, 4, torch.float32)
+    if rank == 0:
+        mine, theirs = "all_gather_linear", "all_gather"
+        try:
+            all_gather_linear(xs[0], ws[0], bs[0], group=None, max_sms=1)
+        except comm.CommMismatchError as e:
+            error = str(e)
+        else:
+            error = None
+    else:
+        mine, theirs = "all_gather", "all_gather_linear"
+        out = torch.empty(world * xs[rank].numel())
+        try:
+            comm.all_gather_into_tensor(out, xs[rank].reshape(-1), max_sms=1)
+        except comm.CommMismatchError as e:
+            error = str(e)
+        else:
+            error = None
+    comm.reset()
+    _rebuilt_heap()
+    if error is None:
+        return "no CommMismatchError"
+    this, _, others = error.partition("; ")
+    if f": {mine} float32" not in this or f": {theirs} float32" not in others:
+        return f"the message does not name this rank's {mine} and the peers' {theirs}: {error!r}"
+    return None
+
+
 def _missing_rank(rank: int, world: int, op: str = "all_gather") -> str | None:
     """Rank W-1 never calls ``op``'s fused linear; the others must raise CommTimeoutError naming it."""
     from comm_checks import expect_raises
@@ -289,6 +323,7 @@ def run(rank: int, world: int) -> dict[str, str | None]:
             rank, world, 3, f32, "gelu", True, 1, "unfused: algorithm", algorithm="unfused"
         ),
         "bad_input": _bad_input(rank, world),
+        "mismatch": _mismatch(rank, world),
         "missing_rank": _missing_rank(rank, world),
         "scatter_bias": _rebuilt_heap() or _check_scatter(rank, world, 6, True, 2, "fused"),
         "scatter_plain": _check_scatter(rank, world, 7, False, 1, "fused"),

@@ -52,6 +52,12 @@ def _times(median_s: float) -> dict[str, float]:
             "iqr_rel": 0.2, "min": median_s * 0.8, "max": median_s * 1.3, "rounds": 25}  # fmt: skip
 
 
+def _ptx(sms: int) -> dict:
+    """A kernel's compiled-code facts, distinct per SM budget so a test can tell rows apart."""
+    return {"target": "sm_90a", "v128_loads": 40 + sms, "v128_stores": 20, "scalar_loads": 12,
+            "scalar_stores": 6, "registers": 94, "local_bytes": 0}  # fmt: skip
+
+
 def _sim_row(op: str, size: int, sms: int, median_s: float, *, capped: bool = False) -> dict:
     counts = collective_counts(op, world=8, size_bytes=size)
     algbw = size / median_s / 1e9
@@ -65,7 +71,7 @@ def _sim_row(op: str, size: int, sms: int, median_s: float, *, capped: bool = Fa
         "busbw_gbps": algbw * counts["busbw_factor"], "peer_bytes": counts["peer_bytes"],
         "peer_gbps": counts["peer_bytes"] / median_s / 1e9,
         "check": {"exact": True, "elements": size // 2, "mismatches": 0},
-        "kernel_path": "triton, SIMULATED=True",
+        "kernel_path": "triton, SIMULATED=True", "ptx": _ptx(sms), "ptx_note": "static counts",
         "note": SYNTHETIC, "mode": "measure", "device": "cuda", "timer": "cuda_event",
         "env": {"torch": "2.11.0", "gpus": [{"name": "Test GPU 80GB", "sm_count": 132}]},
     }  # fmt: skip
@@ -112,6 +118,10 @@ def test_comm_rows_show_their_numbers_and_the_world_label() -> None:
     assert "<td>52.43</td>" in page and "<td>45.88</td>" in page and "<td>20.00</td>" in page
     assert "<td>5 (capped)</td>" in page
     assert "exact (0 of 2048 differ)" in page
+    # the compiled code beside the bandwidth, per row (its SM budget's facts)
+    for sms in (1, 8):
+        code = f"sm_90a · 128-bit ld/st {40 + sms}/20 · scalar 12/6 · 94 regs · 0 B local"
+        assert f"<td>{sms}</td>" in page and html.escape(code) in page
     # Size x SM-budget pivot: header with both budgets, a row per size.
     assert "<th>1 SM</th><th>8 SMs</th>" in page
     assert "<td class='l'>4 KiB</td><td>0.3584</td><td>0.7168</td></tr>" in page
@@ -171,6 +181,8 @@ def test_quick_comm_bench_end_to_end(tmp_path: Path) -> None:
         ("measurement", "comm_simulated"),
         ("measurement", "comm_interference"),
     ]
+    for r in rows[:2]:  # the interpreter compiles nothing: no code facts, and the row says why
+        assert r["ptx"] is None and r["ptx_note"].startswith("nothing compiled: the kernel ran in Triton's")
     for r in rows:
         assert r["world_mode"].startswith("simulated world: 2 peer buffers")
         assert "not a multi-GPU measurement" in r["world_mode"]
@@ -194,6 +206,7 @@ def test_quick_comm_bench_end_to_end(tmp_path: Path) -> None:
     assert counts in page and f"bench: rows: {counts}" in proc.stderr
     assert "bench: 3 benchmarks: 3 passed, 0 failed, 0 skipped" in proc.stderr
     assert REAL_WORLD_TEXT not in html.unescape(page) and html.escape(CPU_FOOTER) in page
+    assert "— (interpreter: nothing compiled)" in html.unescape(page)
 
 
 # ----------------------------------------------------------------------------- torchrun rows
@@ -241,7 +254,9 @@ def _dist_row(
     if impl == "smptk":
         check = {"exact_equal": True, "reference": f"torch.distributed:{row['backend']}"}
         row.update(ctas=max_sms, signal_ctas=1 if max_sms == 0 else None, check=check,
-                   comm_path="copy_engine" if max_sms == 0 else "symmetric")  # fmt: skip
+                   comm_path="copy_engine" if max_sms == 0 else "symmetric",
+                   ptx=None if max_sms == 0 else _ptx(max_sms),
+                   ptx_note="copy engine: no kernel" if max_sms == 0 else "static counts")  # fmt: skip
     else:
         row.update(nccl_config=config, nccl_max_ctas=cap)
         if device == "cuda":
@@ -308,6 +323,15 @@ def test_torchrun_rows_show_size_max_sms_path_ctas_and_busbw() -> None:
         lines = re.findall(r"<tr><td class='l'>[^<]*</td><td class='l'>.*?</tr>", section)
         (line,) = [line for line in lines if line.startswith(head)]  # one detail row per case
         assert f"<td class='l'>{path}</td><td class='l'>{ctas}</td><td>{_fmt(r['busbw_gbps'])}</td>" in line
+        if r["impl"] != "smptk":
+            code = ""
+        elif r["max_sms"] == 0:
+            code = "no kernel (copy engine)"
+        else:
+            code = html.escape(
+                f"sm_90a · 128-bit ld/st {40 + r['max_sms']}/20 · scalar 12/6 · 94 regs · 0 B local"
+            )
+        assert line.endswith(f"<td class='l muted'>{code}</td></tr>"), line
     # the size x line pivot of all_gather: header in line order, one row per size
     assert (
         "<tr><th class='l'>size</th><th>copy engine (0 SMs)</th><th>1 SM</th><th>8 SMs</th><th>NCCL</th>"

@@ -22,6 +22,7 @@ groups spanning machines.
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
@@ -230,6 +231,60 @@ def test_fallback_all_gather_takes_a_stacked_output(world1) -> None:
     comm.all_gather_into_tensor(out, x)
     assert comm.last_path() == "torch.distributed:gloo"
     assert torch.equal(out[0], x)
+
+
+@pytest.mark.parametrize("kind", sorted(collectives._KIND_CODES))
+def test_call_tags_name_what_each_rank_called(kind: str) -> None:
+    """A mismatch message decodes every field of a call's tag; the fused TP linears have kinds of their own,
+    so a rank in the all-gather GEMM and a rank in a plain all-gather of the same size read differently."""
+    call = collectives._Call(
+        kind, torch.bfloat16, 2 if kind.startswith(("all_reduce", "reduce")) else -1, 96, 48
+    )
+    tag = call.tag(seq=123456, programs=256)
+    text = collectives._describe_call(tag, call.numel, call.chunk)
+    assert text.startswith(f"call #123456: {kind} bfloat16 ("), text
+    assert "max_sms=256" in text
+    assert ("op=max" in text) == (call.op == 2), text
+    others = {
+        collectives._Call(k, torch.bfloat16, call.op, 96, 48).tag(123456, 256)
+        for k in collectives._KIND_CODES
+    }
+    assert len(others) == len(collectives._KIND_CODES), "two kinds share a tag"
+    assert (
+        tag < 1 << 63
+        and tag & ((1 << collectives.SEQ_SHIFT) - 1)
+        == tag - (123456 << collectives.SEQ_SHIFT) - collectives._TAG_MARK
+    )
+
+
+def _gpu(name: str, sms: int):
+    return types.SimpleNamespace(name=name, multi_processor_count=sms, regs_per_multiprocessor=65536,
+                                 max_threads_per_multi_processor=2048)  # fmt: skip
+
+
+def test_resident_programs_follow_registers_and_sm_count() -> None:
+    """8 warps x 128 registers: 2 programs per SM (64 K registers), so 264 on an H100 and 216 on an A100."""
+    options = {"num_warps": 8, "maxnreg": 128}
+    assert collectives.resident_programs(_gpu("H100", 132), options) == 264
+    assert collectives.resident_programs(_gpu("A100", 108), options) == 216
+    assert collectives.resident_programs(_gpu("A100", 108), {"num_warps": 4, "maxnreg": 128}) == 432
+    assert collectives.resident_programs(_gpu("A100", 108), {"num_warps": 8, "maxnreg": 255}) == 108
+
+
+def test_more_programs_than_fit_are_refused_on_cuda(monkeypatch) -> None:
+    """A launch whose programs cannot all be resident could leave one waiting for a peer's program queued
+    behind it, so it is refused, naming the GPU and the limit; CPU heaps (no residency) are not checked."""
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: _gpu("NVIDIA A100-SXM4-80GB", 108)
+    )
+    kernel = types.SimpleNamespace(launch_options={"num_warps": 8, "maxnreg": 128})
+    collectives._check_resident(kernel, 216, torch.device("cuda", 0))
+    with pytest.raises(
+        ValueError, match=r"217 programs do not all fit on NVIDIA A100-SXM4-80GB .*max_sms <= 216"
+    ):
+        collectives._check_resident(kernel, 217, torch.device("cuda", 0))
+    collectives._check_resident(kernel, 256, torch.device("cpu"))
+    collectives._check_resident(types.SimpleNamespace(), 256, torch.device("cuda", 0))  # no launch options
 
 
 def test_settings_defaults(fresh_settings) -> None:

@@ -93,6 +93,7 @@ _heaps: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, SymmetricHeap | N
     weakref.WeakKeyDictionary()
 )
 _last_path: str | None = None
+_last_compiled: dict[str, object] = {}  # kernel name -> what Triton compiled for its last launch (GPU only)
 
 
 def _current() -> _Settings:
@@ -155,6 +156,14 @@ def settings() -> dict[str, float]:
 def last_path() -> str | None:
     """Which path the last collective on this rank took: "symmetric" or "torch.distributed:<backend>"."""
     return _last_path
+
+
+def last_compiled(kernel: str) -> object | None:
+    """What Triton compiled for the last launch of collective kernel ``kernel`` (e.g. "_all_gather_kernel")
+    in this process: its ``CompiledKernel`` (``.asm["ptx"]``, ``.n_regs``, ``.n_spills``), or None before
+    a launch and under the interpreter, which compiles nothing. The benchmarks read their PTX columns
+    from it (:func:`smptk.kernels.codegen.compiled_facts`)."""
+    return _last_compiled.get(kernel)
 
 
 def reset(group: dist.ProcessGroup | None = None) -> None:
@@ -310,12 +319,14 @@ def _acc_type(dtype: torch.dtype):
     return tl.int32 if dtype == torch.int32 else tl.float32
 
 
-# A call's tag: its sequence number on the heap << SEQ_SHIFT | kind (3 bits) | op + 1 (3) | dtype (3) |
-# programs (9 bits, from bit 9). With the numel and chunk words it is what ranks compare (see K._verify).
+# A call's tag: its sequence number on the heap << SEQ_SHIFT | kind (4 bits) | op + 1 (3) | dtype (3) |
+# programs (9 bits, from bit 10). With the numel and chunk words it is what ranks compare (see K._verify).
 _KIND_CODES = {"all_reduce_one_shot": 1, "all_reduce_two_shot": 2, "all_gather": 3, "reduce_scatter": 4}
 _KIND_CODES["all_to_all"] = 5
 _KIND_CODES["all_gather_ce"] = 6  # the signals of the copy-engine all-gather
 _KIND_CODES["all_to_all_ce"] = 7  # and all-to-all
+_KIND_CODES["all_gather_linear"] = 8  # smptk.comm.fused_linear's all-gather GEMM
+_KIND_CODES["linear_reduce_scatter"] = 9  # and GEMM + reduce-scatter
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4}
 _TAG_MARK = 1 << 62
 
@@ -336,7 +347,7 @@ class _Call:
     chunk: int
 
     def tag(self, seq: int, programs: int) -> int:
-        meta = _KIND_CODES[self.kind] | (self.op + 1) << 3 | _DTYPE_CODES[self.dtype] << 6 | programs << 9
+        meta = _KIND_CODES[self.kind] | (self.op + 1) << 4 | _DTYPE_CODES[self.dtype] << 7 | programs << 10
         # Bit 62 keeps every tag an int64 argument: a tag that fitted in 32 bits for the first calls
         # would make Triton compile the kernel a second time once the sequence number grew.
         return _TAG_MARK | seq << SEQ_SHIFT | meta
@@ -349,13 +360,53 @@ def _describe_call(tag: int, numel: int, chunk: int) -> str:
     kinds = {v: k for k, v in _KIND_CODES.items()}
     dtypes = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
     ops = {v + 1: k for k, v in OPS.items()}
-    kind = kinds.get(tag & 7, "?")
-    parts = [f"call #{(tag & ~_TAG_MARK) >> SEQ_SHIFT}: {kind}", dtypes.get(tag >> 6 & 7, "?")]
-    if tag >> 3 & 7:
-        parts.append(f"op={ops.get(tag >> 3 & 7, '?')}")
-    parts.append(f"max_sms={tag >> 9 & 511}")
-    parts.append(f"rounds={numel}, slot={chunk}" if kind == "all_to_all" else f"numel={numel}, chunk={chunk}")
+    kind = kinds.get(tag & 15, "?")
+    parts = [f"call #{(tag & ~_TAG_MARK) >> SEQ_SHIFT}: {kind}", dtypes.get(tag >> 7 & 7, "?")]
+    if tag >> 4 & 7:
+        parts.append(f"op={ops.get(tag >> 4 & 7, '?')}")
+    parts.append(f"max_sms={tag >> 10 & 511}")
+    if kind.startswith("all_to_all"):
+        parts.append(f"rounds={numel}, slot={chunk}")
+    elif kind == "all_gather_linear":
+        parts.append(f"block numel={numel}, N_local={chunk}")
+    elif kind == "linear_reduce_scatter":
+        parts.append(f"output numel={numel}, K={chunk}")
+    else:
+        parts.append(f"numel={numel}, chunk={chunk}")
     return " ".join(parts[:2]) + " (" + ", ".join(parts[2:]) + ")"
+
+
+def resident_programs(props, launch_options: dict) -> int:
+    """How many programs of a kernel launched with ``launch_options`` (``num_warps``, ``maxnreg``) a GPU
+    with CUDA device properties ``props`` runs at once: per SM, what its registers and threads allow.
+
+    A collective's programs wait for the same program of every peer, so a launch of more programs than
+    this could leave a program waiting for a peer's program that is queued behind it: every one must be
+    resident. Registers are what binds: 65536 per SM and 128 per thread at 8 warps give 2 per SM, so
+    264 on an H100 (132 SMs) and 216 on an A100 (108 SMs).
+    """
+    threads = 32 * launch_options["num_warps"]
+    regs = getattr(props, "regs_per_multiprocessor", 65536)  # every sm_70..sm_100 GPU has 64 K
+    by_regs = regs // (threads * launch_options.get("maxnreg", 255))
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    return max(min(by_regs, by_threads), 1) * props.multi_processor_count
+
+
+def _check_resident(kernel, programs: int, device: torch.device) -> None:
+    """Refuse a launch of ``programs`` programs of a collective kernel that do not all fit on ``device``
+    at once (see :func:`resident_programs`); CUDA devices only."""
+    options = getattr(kernel, "launch_options", None)
+    if options is None or device.type != "cuda":
+        return
+    props = torch.cuda.get_device_properties(device)
+    fit = resident_programs(props, options)
+    if programs > fit:
+        raise ValueError(
+            f"max_sms: {programs} programs do not all fit on {props.name} at once ({fit}: "
+            f"{fit // props.multi_processor_count} per SM x {props.multi_processor_count} SMs at "
+            f"{options['num_warps']} warps, {options.get('maxnreg', 255)} registers per thread); the "
+            f"collective's programs wait for one another across ranks, so use max_sms <= {fit}"
+        )
 
 
 def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Call, **meta) -> None:
@@ -376,6 +427,8 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
             f"rank {heap.rank}: the symmetric heap is unusable ({heap.broken}); call smptk.comm.reset() "
             "on every rank to build a new one"
         )
+    if not simulated:
+        _check_resident(kernel, programs, heap.status.device)
     timeout_s = _current().timeout_s
     interpreted = runtime.interpreter_enabled()
     timer = None
@@ -385,7 +438,7 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
         timer.start()
     try:
         heap.calls += 1
-        kernel[(programs,)](
+        compiled = kernel[(programs,)](
             *data,
             heap.data_ptrs,
             heap.signal_ptrs,
@@ -405,6 +458,8 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
     finally:
         if timer is not None:
             timer.cancel()
+    if not interpreted and hasattr(compiled, "asm"):
+        _last_compiled[getattr(kernel, "__name__", type(kernel).__name__)] = compiled
     if simulated:
         return
     _last_path = "symmetric"

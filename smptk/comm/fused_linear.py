@@ -54,7 +54,6 @@ from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import check_activation, check_float_tensor, check_same, check_weight
 from smptk.kernels._dispatch import dispatcher_op, none_if_empty
 from smptk.kernels._triton import kernel_module
-from smptk.kernels.heap_layout import SEQ_SHIFT
 
 _gc = kernel_module("smptk.kernels._gemm_comm")
 _epilogue = kernel_module("smptk.kernels._epilogue")
@@ -62,17 +61,6 @@ _fl = kernel_module("smptk.kernels.fused_linear")
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALGORITHMS = ("auto", "fused", "unfused")
-# The call's tag (see smptk.comm.collectives._Call): the all-gather kind with this bit set, so a rank in this
-# op and a rank in a plain all_gather of the same size see different calls. Bits 18..SEQ_SHIFT-1 are free.
-_FUSED_BIT = 1 << 18
-assert _FUSED_BIT < 1 << SEQ_SHIFT
-
-
-class _FusedCall(_coll._Call):
-    """The all-gather GEMM's announcement: numel = one block's elements, chunk = N_local."""
-
-    def tag(self, seq: int, programs: int) -> int:
-        return super().tag(seq, programs) | _FUSED_BIT
 
 
 def _unfused_reason(x: torch.Tensor, w: torch.Tensor, heap, world: int, scatter: bool = False) -> str | None:
@@ -107,7 +95,9 @@ def _fused_scatter(x, w, bias, g: dist.ProcessGroup, heap, programs: int) -> tor
     op = _gc.MatmulReduceScatter(
         x_TK=x, w_NK=w, out_TwN=out, ready=ready, comm_programs=programs, bias_N=bias
     )  # fmt: skip
-    _coll._launch(heap, op, programs, (), (), call=_FusedCall("reduce_scatter", x.dtype, -1, out.numel(), K))
+    _coll._launch(
+        heap, op, programs, (), (), call=_coll._Call("linear_reduce_scatter", x.dtype, -1, out.numel(), K)
+    )
     return out
 
 
@@ -143,7 +133,9 @@ def _fused_forward(x, w, bias, act: int, save_z: bool, g: dist.ProcessGroup, hea
         x_TwK=x, w_NK=w, out_TN=out, g_TK=gathered, ready_W=ready, comm_programs=programs, bias_N=bias,
         z_TN=z, activation=act,
     )  # fmt: skip
-    _coll._launch(heap, op, programs, (), (), call=_FusedCall("all_gather", x.dtype, -1, x.numel(), N))
+    _coll._launch(
+        heap, op, programs, (), (), call=_coll._Call("all_gather_linear", x.dtype, -1, x.numel(), N)
+    )
     return out, gathered, z
 
 
