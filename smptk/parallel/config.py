@@ -449,7 +449,9 @@ def init(
             f"torch {torch.__version__} has no DeviceMesh._unflatten, which smptk.parallel.init uses to "
             "build the expert mesh; use a newer torch"
         )
-    expert_mesh = mesh._unflatten("dp_shard", (sizes["edp_shard"], sizes["ep"]), ("edp_shard", "ep"))
+    # The dim by index: torch 2.11's _unflatten refuses every dim given by name (its name check is inverted).
+    dp_shard = MESH_DIMS.index("dp_shard")
+    expert_mesh = mesh._unflatten(dp_shard, (sizes["edp_shard"], sizes["ep"]), ("edp_shard", "ep"))
     coords = {d: mesh.get_local_rank(d) for d in MESH_DIMS}
     coords["dp"] = dp_mesh.get_local_rank()
     coords["edp_shard"] = expert_mesh.get_local_rank("edp_shard")
