@@ -202,6 +202,7 @@ def _simulated_section(group: list[dict[str, Any]]) -> str:
     )
     return (
         f"<section><h2>{_esc(first.get('op'))} — W={_esc(first.get('world'))} — {_esc(first.get('dtype'))} "
+        f"{'— copy_path=tma ' if first.get('copy_path') == 'tma' else ''}"
         f'<span class="muted">(comm_simulated)</span></h2>'
         f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
         f"<p>busbw GB/s (nccl-tests definition) against the SM budget:</p>"
@@ -676,7 +677,13 @@ def comm_html(rows: list[dict[str, Any]]) -> str:
         interference: dict[tuple, list[dict[str, Any]]] = {}
         for r in simulated_rows:
             if r.get("suite") == "comm_simulated":
-                simulated.setdefault((str(r.get("op")), r.get("world"), str(r.get("dtype"))), []).append(r)
+                key = (
+                    str(r.get("op")),
+                    r.get("world"),
+                    str(r.get("dtype")),
+                    str(r.get("copy_path") or "pointer"),
+                )
+                simulated.setdefault(key, []).append(r)
             else:
                 key = (r.get("world"), r.get("size_bytes"), _shape_label(r.get("shape")), str(r.get("dtype")))
                 interference.setdefault(key, []).append(r)

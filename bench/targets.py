@@ -53,6 +53,9 @@ CASE_KEYS = (
     "collective",
 )
 MiB = 1 << 20
+# The simulated-world targets count the rows of the default copy path (rows from before copy_path existed
+# have none); the benchmark's copy_path="tma" rows are an A/B beside them (bench/test_bench_comm.py).
+DEFAULT_COPY_PATH = ("pointer", None)
 
 
 def matches(fields: dict[str, Any], selector: Selector) -> bool:
@@ -405,6 +408,7 @@ TARGETS: tuple[Target, ...] = (
         "copy-engine rows, 0 SMs, are local device copies on one GPU and do not count)",
         {
             "suite": "comm_simulated",
+            "copy_path": DEFAULT_COPY_PATH,
             "world": 8,
             "max_sms": lambda k: 1 <= k <= 8,
             "size_bytes": lambda n: n >= 64 * MiB,
@@ -444,6 +448,7 @@ TARGETS: tuple[Target, ...] = (
         "simulated world W=8: peer traffic per SM at 1..8 SMs, sizes >= 64 MiB, every collective (worst)",
         {
             "suite": "comm_simulated",
+            "copy_path": DEFAULT_COPY_PATH,
             "world": 8,
             "max_sms": lambda k: 1 <= k <= 8,
             "size_bytes": lambda n: n >= 64 * MiB,
@@ -459,6 +464,7 @@ TARGETS: tuple[Target, ...] = (
             f"simulated world W=8: {coll} peer traffic at <= 8 SMs, sizes >= 64 MiB (best case)",
             {
                 "suite": "comm_simulated",
+                "copy_path": DEFAULT_COPY_PATH,
                 "world": 8,
                 "op": coll,
                 "max_sms": lambda k: 1 <= k <= 8,

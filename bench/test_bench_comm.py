@@ -24,6 +24,12 @@ budget and how much it slows a GEMM sharing the GPU; they are not multi-GPU meas
     ``CASE_BUDGET_S`` (1 GiB at 1 SM) runs fewer rounds, at least ``MIN_ROUNDS``; the row's ``rounds``
     says how many, and ``rounds_capped`` that it was capped.
 
+    The same cases with ``copy_path="tma"`` (``smptk.comm.configure``; id suffix ``-tma``, row field
+    ``copy_path``) beside the default "pointer" ones: every collective at 1, 2, 4 and 8 SMs, 64 and 256 MiB
+    (quick mode: all-gather, W=2, 2 SMs, 4 KiB), so one GPU run compares the two copy paths. The targets
+    read the default path's rows (bench.targets.DEFAULT_COPY_PATH). Every row carries ``ptx`` (what the
+    kernel that ran compiled to: 128-bit and scalar global accesses, registers, local bytes; None on a CPU).
+
 ``test_comm_interference`` (suite "comm_interference", 7c): a bf16 8192^3 ``torch.matmul`` timed alone,
     then while a simulated-world collective (each of the five, 64 MiB, W=8) runs at k SMs,
     k in {1, 2, 4, 8, 16, 32}, on a side CUDA stream. How the collective covers the whole GEMM:
@@ -70,6 +76,7 @@ import torch
 from bench.config import current_mode
 from bench.counts import COLLECTIVES, collective_counts, kernel_code_fields, linear_bytes, linear_flops
 from bench.timing import _FALLBACK_SM_HZ, CLOCK, summarize
+from smptk import comm
 from smptk.comm.simulated import SimulatedWorld, world_mode_label
 
 pytestmark = pytest.mark.benchmark(timer=CLOCK, disable_gc=True, warmup=False)
@@ -117,11 +124,16 @@ class CommCase:
     world: int
     max_sms: int
     size_bytes: int
+    copy_path: str = (
+        "pointer"  # smptk.comm.configure(copy_path=...): "tma" cases are an A/B beside the default
+    )
 
     @property
     def id(self) -> str:
+        tail = "" if self.copy_path == "pointer" else f"-{self.copy_path}"
         return (
             f"comm_simulated-{self.collective}-W{self.world}-sms{self.max_sms}-{size_label(self.size_bytes)}"
+            f"{tail}"
         )
 
     def fields(self) -> dict[str, Any]:
@@ -135,6 +147,7 @@ class CommCase:
             "world": self.world,
             "max_sms": self.max_sms,
             "size_bytes": self.size_bytes,
+            "copy_path": self.copy_path,
             "shape": {"size_bytes": self.size_bytes, "world": self.world, "max_sms": self.max_sms},
             "world_mode": world_mode_label(self.world, MODE.device),
         }
@@ -188,6 +201,17 @@ def _budgets(collective: str) -> tuple[int, ...]:
 
 CASES = [
     CommCase(c, w, k, fit_size(s, w)) for c in COLLECTIVES for w in WORLDS for s in SIZES for k in _budgets(c)
+]
+# copy_path="tma" beside the default, to decide between them: every collective (each stages its input with a
+# copy; all-gather, all-to-all and the two-shot all-reduce also copy the peers' data) at the SM budgets and
+# sizes the targets read (quick mode: one case, at 2 SMs).
+TMA_SMS, TMA_SIZES = ((2,), (4 * KiB,)) if MODE.quick else ((1, 2, 4, 8), (64 * MiB, 256 * MiB))
+CASES += [
+    CommCase(c, w, k, fit_size(s, w), copy_path="tma")
+    for c in (("all_gather",) if MODE.quick else COLLECTIVES)
+    for w in WORLDS[:1]
+    for s in TMA_SIZES
+    for k in TMA_SMS
 ]
 INTERFERENCE_CASES = [
     InterferenceCase(c, IF_WORLD, k, fit_size(IF_SIZE, IF_WORLD), IF_GEMM)
@@ -313,6 +337,15 @@ class World:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_comm_simulated(benchmark: Any, case: CommCase, l2_flusher: Any, record: Callable[..., Any]) -> None:
     _skip_if_too_big(case.collective, case.world, case.size_bytes)
+    before = comm.settings()["copy_path"]
+    comm.configure(copy_path=case.copy_path)
+    try:
+        _bandwidth_case(benchmark, case, l2_flusher, record)
+    finally:
+        comm.configure(copy_path=before)
+
+
+def _bandwidth_case(benchmark: Any, case: CommCase, l2_flusher: Any, record: Callable[..., Any]) -> None:
     w = World(case.collective, case.world, case.size_bytes, seed=case.world * 1009 + case.size_bytes % 997)
 
     check = w.check(case.max_sms)  # first call: Triton JIT, then the exact comparison
@@ -338,7 +371,8 @@ def test_comm_simulated(benchmark: Any, case: CommCase, l2_flusher: Any, record:
         benchmark,
         flops=0,
         nbytes=counts["peer_bytes"],
-        kernel_path=_kernel_path(),
+        kernel_path=f"{_kernel_path()}, copy_path={case.copy_path}",
+        copy_path=case.copy_path,
         check=check,
         first_call_s=first_call_s,
         l2_flush_bytes=l2_flusher.nbytes,

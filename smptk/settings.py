@@ -46,6 +46,7 @@ TRITON_TRUE_WORDS = ("1", "true", "yes", "on", "y")
 
 KERNEL_PATHS = ("auto", "triton", "torch")
 GEMM_PATHS = ("auto", "tma", "pointer")
+COMM_COPY_PATHS = ("pointer", "tma")
 BENCH_MODES = ("measure", "quick")
 
 
@@ -183,6 +184,10 @@ _TABLE = (
     Variable("SMPTK_COMM_HEAP_BYTES", "integer", 64 * 1024 * 1024, "symmetric heap bytes per rank"),
     Variable("SMPTK_COMM_SYNC_CHECK", "flag", False, "on CUDA, check each collective's status at the end "
              "of every call (one host sync)"),
+    Variable("SMPTK_COMM_COPY_PATH", "choice", "pointer", "collectives' copies: pointer (128-bit loads, one "
+             "tile in flight a program) or tma (loads through TMA descriptors, pipelined over shared memory, "
+             "where the GPU has TMA (sm_90+) and under the interpreter; unmeasured on a GPU so far)",
+             choices=COMM_COPY_PATHS),
     # tests and benchmarks
     Variable("SMPTK_COMPILE_ALL", "flag", False, "kernel compile test: the full variant table, not the "
              "quick set"),
@@ -277,6 +282,11 @@ def comm_timeout_s() -> float:
 def comm_heap_bytes() -> int:
     """``SMPTK_COMM_HEAP_BYTES`` (default 64 MiB); alignment and minimum are checked by ``smptk.comm``."""
     return _read("SMPTK_COMM_HEAP_BYTES")
+
+
+def comm_copy_path() -> str:
+    """``SMPTK_COMM_COPY_PATH``: "pointer" (default) or "tma", how the collectives' copies load."""
+    return _read("SMPTK_COMM_COPY_PATH")
 
 
 def comm_sync_check() -> bool:

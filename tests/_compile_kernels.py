@@ -362,14 +362,18 @@ def _collective_variants(
         modes = ["default", "i32_timeout-i64_sizes"]
         if "SIMULATED" in params[name]:
             modes.append("simulated")
+        if "TMA" in params[name] and arch >= 90:
+            modes.append("tma")  # copy_path="tma": the copies load through TMA descriptors (sm_90+)
         for dtype in _COLL_DTYPES if tables is not None else ("",):
             op_items = sorted(ops.items(), key=lambda kv: kv[1]) if has_op else [(None, None)]
             for op_name, op in op_items:
                 if dtype == "i32" and op_name == "avg":
                     continue  # the host takes torch.distributed's path for int32 avg
                 for mode in modes:
-                    if mode != "default" and not (dtype in ("bf16", "") and op in (None, 0)):
+                    if mode not in ("default", "tma") and not (dtype in ("bf16", "") and op in (None, 0)):
                         continue  # one variant per kernel for the other int widths and SIMULATED
+                    if mode == "tma" and op not in (None, 0):
+                        continue  # TMA changes the copies only: every dtype, one op
                     types = {"in_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"} if dtype else {}
                     types.update({t: "*i64" for t in ("data_W", "signal_W", *(tables or ()))})
                     types["status_ptr"] = "*i32"
@@ -381,6 +385,8 @@ def _collective_variants(
                     consts = {"BLOCK": block, "USE_CLOCK": True}
                     if mode == "simulated":
                         consts["SIMULATED"] = True
+                    if mode == "tma":
+                        consts["TMA"] = 2  # as smptk.comm.collectives._tma sets it for a GPU
                     if has_op:
                         consts.update(OP=op, ACC=TlDtype("int32" if dtype == "i32" else "float32"))
                     # do_not_specialize: no int alignment; pointers (table entries, heap buffers) aligned.

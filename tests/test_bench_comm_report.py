@@ -168,7 +168,8 @@ def _subprocess_env() -> dict[str, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU quick-mode rows; on a GPU see bench")
 def test_quick_comm_bench_end_to_end(tmp_path: Path) -> None:
-    selection = "comm and all_gather and W2 and sms1"  # 2 bandwidth cases (4 KiB, 1500 B), 1 interference
+    # 2 bandwidth cases (4 KiB, 1500 B), 1 interference, and the copy_path="tma" case (2 SMs, 4 KiB)
+    selection = "comm and all_gather and W2 and (sms1 or tma)"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--filter", selection, "--out", str(tmp_path)],
         cwd=ROOT, env=_subprocess_env(), capture_output=True, text=True, timeout=300, check=False,
@@ -176,6 +177,11 @@ def test_quick_comm_bench_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (jsonl,) = sorted(tmp_path.rglob("*.jsonl"))
     rows = list(read_rows(jsonl))
+    all_rows = rows
+    tma = [r for r in rows if r.get("copy_path") == "tma"]
+    assert len(tma) == 1 and tma[0]["max_sms"] == 2 and tma[0]["check"]["exact"], tma
+    assert tma[0]["kernel_path"].endswith("copy_path=tma")
+    rows = [r for r in rows if r.get("copy_path") != "tma"]
     assert [(r["kind"], r["suite"]) for r in rows] == [
         ("measurement", "comm_simulated"),
         ("measurement", "comm_simulated"),
@@ -199,12 +205,13 @@ def test_quick_comm_bench_end_to_end(tmp_path: Path) -> None:
     assert inter["slowdown"] == pytest.approx(inter["time_s"]["median"] / inter["gemm_alone_s"]["median"])
     assert inter["slowdown_bound"] is None and inter["concurrency"].startswith("sequential")
     page = jsonl.with_suffix(".html").read_text()
-    assert html.escape(WORLD_MODE_TEXT) in page and "comm_interference" in page and page.count("<svg") == 3
+    assert html.escape(WORLD_MODE_TEXT) in page and "comm_interference" in page and page.count("<svg") == 4
+    assert "all_gather — W=2 — float16 — copy_path=tma" in html.unescape(page)  # a section of its own
     # the header and the terminal count the same rows, and say that rows are not benchmarks
-    counts = counts_text(row_counts(rows))
-    assert counts == "3 measurement rows, 0 skipped, 0 failed"
+    counts = counts_text(row_counts(all_rows))
+    assert counts == "4 measurement rows, 0 skipped, 0 failed"
     assert counts in page and f"bench: rows: {counts}" in proc.stderr
-    assert "bench: 3 benchmarks: 3 passed, 0 failed, 0 skipped" in proc.stderr
+    assert "bench: 4 benchmarks: 4 passed, 0 failed, 0 skipped" in proc.stderr
     assert REAL_WORLD_TEXT not in html.unescape(page) and html.escape(CPU_FOOTER) in page
     assert "— (interpreter: nothing compiled)" in html.unescape(page)
 

@@ -24,6 +24,9 @@ PTX = """
     wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};
     cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2}], [%r4];
     cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [ %rd1, { %r2, %r3 } ], [ %r4 ];
+    fence.proxy.async.global;
+    fence.proxy.async.shared::cta;
+    cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2}], [%r4];
 """
 
 
@@ -33,8 +36,9 @@ def test_ptx_counts_tell_access_widths_apart() -> None:
     counts = _codegen.ptx_counts(PTX)
     assert counts == {
         "wgmma": 1,
-        "tma_loads": 1,
+        "tma_loads": 2,  # Triton 3.9's shared::cta and 3.6's shared::cluster
         "tma_stores": 1,
+        "async_global_fences": 1,
         "v128_loads": 3,
         "v128_stores": 1,
         "scalar_loads": 2,

@@ -191,8 +191,8 @@ def test_harness_deadline_kills_a_hung_job() -> None:
 
 # ------------------------------------------------------------------------------- single-process tests
 
-COMM_ENV = ("SMPTK_COMM_MAX_SMS", "SMPTK_COMM_TIMEOUT_S", "SMPTK_COMM_HEAP_BYTES")
-DEFAULTS = {"max_sms": 8, "timeout_s": 300.0, "heap_bytes": 64 * 1024 * 1024}
+COMM_ENV = ("SMPTK_COMM_MAX_SMS", "SMPTK_COMM_TIMEOUT_S", "SMPTK_COMM_HEAP_BYTES", "SMPTK_COMM_COPY_PATH")
+DEFAULTS = {"max_sms": 8, "timeout_s": 300.0, "heap_bytes": 64 * 1024 * 1024, "copy_path": "pointer"}
 
 
 @pytest.fixture
@@ -295,7 +295,9 @@ def test_configure_changes_only_what_it_is_given(fresh_settings) -> None:
     comm.configure(max_sms=3)
     assert comm.settings() == {**DEFAULTS, "max_sms": 3}
     comm.configure(timeout_s=2.5, heap_bytes=8192)
-    assert comm.settings() == {"max_sms": 3, "timeout_s": 2.5, "heap_bytes": 8192}
+    assert comm.settings() == {"max_sms": 3, "timeout_s": 2.5, "heap_bytes": 8192, "copy_path": "pointer"}
+    comm.configure(copy_path="tma")
+    assert comm.settings() == {"max_sms": 3, "timeout_s": 2.5, "heap_bytes": 8192, "copy_path": "tma"}
 
 
 @pytest.mark.parametrize(
@@ -311,6 +313,7 @@ def test_configure_changes_only_what_it_is_given(fresh_settings) -> None:
         ({"heap_bytes": 4100}, "heap_bytes: expected a multiple of 16 of at least 4096, got 4100"),
         ({"heap_bytes": 0}, "heap_bytes: expected a multiple of 16 of at least 4096, got 0"),
         ({"max_sms": 4, "heap_bytes": 1}, "heap_bytes: expected"),  # nothing of a rejected call applies
+        ({"copy_path": "cp.async"}, "copy_path: expected one of ('pointer', 'tma'), got 'cp.async'"),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "",
 )
@@ -334,11 +337,12 @@ def test_env_vars_are_read_on_first_use(monkeypatch, fresh_settings) -> None:
     monkeypatch.setenv("SMPTK_COMM_MAX_SMS", " 4 ")
     monkeypatch.setenv("SMPTK_COMM_TIMEOUT_S", "2.5")
     monkeypatch.setenv("SMPTK_COMM_HEAP_BYTES", "8192")
-    assert comm.settings() == {"max_sms": 4, "timeout_s": 2.5, "heap_bytes": 8192}
+    monkeypatch.setenv("SMPTK_COMM_COPY_PATH", "TMA")
+    assert comm.settings() == {"max_sms": 4, "timeout_s": 2.5, "heap_bytes": 8192, "copy_path": "tma"}
     monkeypatch.setenv("SMPTK_COMM_MAX_SMS", "6")  # read once: later changes do not apply
     assert comm.settings()["max_sms"] == 4
     comm.configure(max_sms=7)  # configure() overrides the environment
-    assert comm.settings() == {"max_sms": 7, "timeout_s": 2.5, "heap_bytes": 8192}
+    assert comm.settings() == {"max_sms": 7, "timeout_s": 2.5, "heap_bytes": 8192, "copy_path": "tma"}
 
 
 def test_blank_env_vars_mean_defaults(monkeypatch, fresh_settings) -> None:
@@ -357,6 +361,7 @@ def test_blank_env_vars_mean_defaults(monkeypatch, fresh_settings) -> None:
         ("SMPTK_COMM_MAX_SMS", "0", "max_sms: expected 1..256, got 0"),
         ("SMPTK_COMM_TIMEOUT_S", "-3", "timeout_s: expected seconds in (0, 1e+06]"),
         ("SMPTK_COMM_HEAP_BYTES", "1000", "heap_bytes: expected a multiple of 16 of at least 4096"),
+        ("SMPTK_COMM_COPY_PATH", "fast", "SMPTK_COMM_COPY_PATH='fast': expected one of 'pointer', 'tma'"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

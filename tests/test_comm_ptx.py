@@ -41,9 +41,11 @@ COPIES = ("_all_gather_kernel", "_all_to_all_kernel")
 REDUCTIONS = ("_all_reduce_one_shot_kernel", "_all_reduce_two_shot_kernel", "_reduce_scatter_kernel")
 DTYPES = ("fp32", "bf16", "fp16", "i32")
 _COLLECTIVES = [v for v in ck.variants() if v.kernel.startswith(ck._COLL)]
-VARIANTS = {v.id: v for v in _COLLECTIVES if v.kernel_name in COPIES + REDUCTIONS and v.arch == 90}
+_DATA = [v for v in _COLLECTIVES if v.kernel_name in COPIES + REDUCTIONS and v.arch == 90]
+VARIANTS = {v.id: v for v in _DATA if not v.id.endswith("-tma")}  # the pointer path (default)
+TMA = {v.id: v for v in _DATA if v.id.endswith("-tma")}  # copy_path="tma"
 SIGNAL = {v.id: v for v in _COLLECTIVES if v.kernel_name == "_signal_kernel"}  # sm_90 and sm_80
-CHECKED = {**VARIANTS, **SIGNAL}
+CHECKED = {**VARIANTS, **TMA, **SIGNAL}
 
 
 def _loads_in_flight(kernel: str) -> int:
@@ -61,6 +63,10 @@ def test_every_kernel_and_dtype_is_checked() -> None:
     missing = {(k, d) for k in COPIES + REDUCTIONS for d in DTYPES} - seen
     assert not missing, f"no sm_90 compile variant for {sorted(missing)}"
     assert {v.arch for v in SIGNAL.values()} == {80, 90}, f"signal kernel variants: {sorted(SIGNAL)}"
+    missing = {(k, d) for k in COPIES + REDUCTIONS for d in DTYPES} - {
+        (v.kernel_name, v.dtype) for v in TMA.values()
+    }
+    assert not missing, f"no sm_90 TMA copy-path variant for {sorted(missing)}"
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +123,33 @@ def test_no_spills(compile_results: dict[str, dict], variant_id: str) -> None:
             f"({_facts(r)})\n{CHECKED[variant_id].describe()}",
             pytrace=False,
         )
+
+
+# Two programs must still fit an SM (the register budget allows two: see collectives.LAUNCH_OPTIONS), so
+# the TMA path's shared-memory buffers stay within half of an H100 SM's 227 KiB.
+SHARED_PER_PROGRAM = 232448 // 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant_id", list(TMA))
+def test_tma_copy_path(compile_results: dict[str, dict], variant_id: str) -> None:
+    """copy_path="tma" on sm_90: the copies' loads are TMA bulk tensor copies, pipelined (each copy loop has
+    TMA_STAGES load sites: Triton's prologue loads the next stages ahead; and the shared memory holds
+    TMA_STAGES - 1 tiles), the stores stay 128-bit, the async-proxy fence is there where peers' regions
+    are read, and the buffers leave room for a second program on the SM."""
+    variant = TMA[variant_id]
+    r = _compiled(compile_results, variant_id)
+    problems = []
+    if r["tma_loads"] < collectives.TMA_STAGES:
+        problems.append(f"{r['tma_loads']} TMA loads (want >= {collectives.TMA_STAGES}: the pipeline's)")
+    buffers = collectives.TMA_STAGES - 1  # 32 KiB tiles, for this loop Triton keeps stages - 1 of them
+    if r["shared"] < buffers * 32768:
+        problems.append(f"{r['shared']} B of shared memory: fewer than {buffers} tiles can be in flight")
+    if r["v128_stores"] < 1:
+        problems.append("no 128-bit store")
+    if variant.kernel_name in (*COPIES, "_all_reduce_two_shot_kernel") and r["async_global_fences"] < 1:
+        problems.append("no fence.proxy.async.global before the TMA reads of the peers' regions")
+    if r["shared"] > SHARED_PER_PROGRAM:
+        problems.append(f"{r['shared']} B of shared memory: two programs no longer fit an SM")
+    if problems:
+        pytest.fail(f"{variant_id}: {'; '.join(problems)} ({_facts(r)})\n{variant.describe()}", pytrace=False)

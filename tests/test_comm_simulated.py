@@ -21,7 +21,9 @@ test also checks that the peers' regions are untouched and that the running rank
 what it staged.
 
 CPU cases run the kernels under Triton's interpreter (conftest sets TRITON_INTERPRET=1 where no GPU is
-visible); the CUDA cases (``gpu`` marker) run the same checks on a GPU.
+visible); the CUDA cases (``gpu`` marker) run the same checks on a GPU. Every test runs with each copy path
+(``smptk.comm.configure(copy_path=...)``: "pointer", and "tma", whose copies load through TMA descriptors;
+the interpreter runs descriptors, and on a GPU without TMA the pointer path runs).
 """
 
 from __future__ import annotations
@@ -33,8 +35,21 @@ import pytest
 import torch
 from helpers import DEVICES, NO_INTERPRETER_REASON
 
+from smptk import comm
 from smptk.comm.simulated import KINDS, SimulatedWorld, world_mode_label
 from smptk.kernels import runtime
+
+
+@pytest.fixture(autouse=True, params=comm.COPY_PATHS)
+def copy_path(request: pytest.FixtureRequest):
+    """Each test once per copy path; the previous setting comes back afterwards."""
+    before = comm.settings()["copy_path"]
+    comm.configure(copy_path=request.param)
+    try:
+        yield request.param
+    finally:
+        comm.configure(copy_path=before)
+
 
 REDUCING = ("all_reduce_one_shot", "all_reduce_two_shot", "reduce_scatter")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)

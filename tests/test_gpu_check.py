@@ -181,6 +181,11 @@ def test_comm_best_peer_traffic_and_worst_slowdown() -> None:
     ]
     peer = judge("comm.simulated_peer_gbps", rows)
     assert peer.status == "met" and peer.value == pytest.approx(470.0)
+    # the copy_path="tma" A/B rows do not count; rows of the default path, named or not, do
+    tma = row("smptk", 1.0, **sim, max_sms=8, size_bytes=256 << 20, peer_gbps=480.0, copy_path="tma")
+    assert judge("comm.simulated_peer_gbps", [*rows, tma]).value == pytest.approx(470.0)
+    named = row("smptk", 1.0, **sim, max_sms=8, size_bytes=256 << 20, peer_gbps=475.0, copy_path="pointer")
+    assert judge("comm.simulated_peer_gbps", [*rows, named]).value == pytest.approx(475.0)
     inter = {"suite": "comm_interference", "op": "all_reduce_one_shot", "gemm_alone_s": {"median": 1e-3}}
     slow = [
         row("smptk", 1.05e-3, **inter, max_sms=8, slowdown=1.05, slowdown_bound=1.0727),

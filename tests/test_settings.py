@@ -147,6 +147,7 @@ ACCESSORS = [
     (settings.comm_timeout_s, "SMPTK_COMM_TIMEOUT_S", 300.0, ("2.5", 2.5), "30s"),
     (settings.comm_heap_bytes, "SMPTK_COMM_HEAP_BYTES", 64 << 20, ("8192", 8192), "64MiB"),
     (settings.comm_sync_check, "SMPTK_COMM_SYNC_CHECK", False, ("true", True), "sync"),
+    (settings.comm_copy_path, "SMPTK_COMM_COPY_PATH", "pointer", ("TMA", "tma"), "fast"),
     (settings.compile_all, "SMPTK_COMPILE_ALL", False, ("1", True), "all"),
     (settings.compile_jobs, "SMPTK_COMPILE_JOBS", None, ("3", 3), "0"),
     (settings.bench_mode, "SMPTK_BENCH_MODE", None, ("QUICK", "quick"), "fast"),

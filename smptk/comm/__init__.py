@@ -4,9 +4,10 @@ Same call shapes as torch.distributed; ``max_sms`` bounds the SMs (programs) a c
 
 - :func:`all_reduce` (in place), :func:`all_gather_into_tensor`, :func:`reduce_scatter_tensor`,
   :func:`all_to_all_single` (uneven splits).
-- :func:`configure` / :func:`settings` (``max_sms``, ``timeout_s``, ``heap_bytes``; environment variables
-  SMPTK_COMM_MAX_SMS, SMPTK_COMM_TIMEOUT_S, SMPTK_COMM_HEAP_BYTES), :func:`last_path`, :func:`reset`,
-  :func:`check`, :func:`heaps` (this process's symmetric heaps and their bytes).
+- :func:`configure` / :func:`settings` (``max_sms``, ``timeout_s``, ``heap_bytes``, ``copy_path``;
+  environment variables SMPTK_COMM_MAX_SMS, SMPTK_COMM_TIMEOUT_S, SMPTK_COMM_HEAP_BYTES,
+  SMPTK_COMM_COPY_PATH), :func:`last_path`, :func:`reset`, :func:`check`, :func:`heaps` (this process's
+  symmetric heaps and their bytes).
 - :mod:`smptk.comm.functional`: the same collectives as out-of-place autograd ops whose backward is
   the matching collective (all_gather, reduce_scatter, all_reduce, all_to_all, copy_to_group,
   reduce_from_group), along any dimension, taking a ProcessGroup or a DeviceMesh dimension. A module
@@ -21,6 +22,7 @@ on CPU, where the same Triton kernels run under ``TRITON_INTERPRET=1``.
 
 from smptk.comm import functional
 from smptk.comm.collectives import (
+    COPY_PATHS,
     CommError,
     CommMismatchError,
     CommTimeoutError,
@@ -37,6 +39,7 @@ from smptk.comm.collectives import (
 )
 
 __all__ = [
+    "COPY_PATHS",
     "CommError",
     "CommMismatchError",
     "CommTimeoutError",

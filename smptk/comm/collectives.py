@@ -35,7 +35,7 @@ import torch.distributed as dist
 import smptk.settings as env_settings
 from smptk.comm.heap import HeapUnavailable, SymmetricHeap
 from smptk.kernels import runtime
-from smptk.kernels._triton import kernel_module
+from smptk.kernels._triton import ensure_allocator, kernel_module
 from smptk.kernels.heap_layout import CALL_OFFSET, DATA_OFFSET, MAX_PROGRAMS, OPS, SEEN_OFFSET, SEQ_SHIFT
 
 K = kernel_module("smptk.kernels.collectives")  # imported (with triton) on first use: smptk.kernels._triton
@@ -52,6 +52,7 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 # "copy_engine" with stream-ordered tensor copies of the peers' heap regions (the GPU's copy engines on
 # CUDA: no SM moves data) between two one-program signal kernels. "auto" is "kernel".
 COPY_ALGORITHMS = ("auto", "kernel", "copy_engine")
+COPY_PATHS = env_settings.COMM_COPY_PATHS  # how the kernels' copies load (configure(copy_path=...))
 # all_reduce "auto": one-shot (each rank reads all W buffers: lowest latency) up to this size, two-shot
 # (reduce-scatter + all-gather: each rank reads ~2 buffers' worth) above. Untuned; no GPU run yet.
 ONE_SHOT_MAX_BYTES = 256 * 1024
@@ -83,6 +84,7 @@ class _Settings:
     max_sms: int
     timeout_s: float
     heap_bytes: int
+    copy_path: str = "pointer"
 
 
 _settings: _Settings | None = None
@@ -103,6 +105,7 @@ def _current() -> _Settings:
             max_sms=env_settings.comm_max_sms(),
             timeout_s=env_settings.comm_timeout_s(),
             heap_bytes=env_settings.comm_heap_bytes(),
+            copy_path=env_settings.comm_copy_path(),
         )
         try:
             _validate(_settings)
@@ -122,15 +125,24 @@ def _validate(s: _Settings) -> None:
         raise ValueError(f"timeout_s: expected seconds in (0, {_MAX_TIMEOUT_S:g}], got {s.timeout_s}")
     if s.heap_bytes < 4096 or s.heap_bytes % 16:
         raise ValueError(f"heap_bytes: expected a multiple of 16 of at least 4096, got {s.heap_bytes}")
+    if s.copy_path not in COPY_PATHS:
+        raise ValueError(f"copy_path: expected one of {COPY_PATHS}, got {s.copy_path!r}")
 
 
 def configure(
-    *, max_sms: int | None = None, timeout_s: float | None = None, heap_bytes: int | None = None
+    *,
+    max_sms: int | None = None,
+    timeout_s: float | None = None,
+    heap_bytes: int | None = None,
+    copy_path: str | None = None,
 ) -> None:
     """Set the defaults of every later call on this rank (call it identically on every rank).
 
     Changing ``heap_bytes`` drops this rank's heaps; the next collective on a group builds a new one
-    (a collective step, so every rank must change it at the same point).
+    (a collective step, so every rank must change it at the same point). ``copy_path`` (one of
+    :data:`COPY_PATHS`): how the kernels' copies load, "pointer" (default) or "tma" (TMA descriptors,
+    pipelined; see ``smptk.kernels.collectives``). It changes no result and no tile's owner, so ranks
+    may differ in it.
 
     Example::
 
@@ -141,15 +153,17 @@ def configure(
         max_sms=cur.max_sms if max_sms is None else _as_int("max_sms", max_sms),
         timeout_s=cur.timeout_s if timeout_s is None else float(timeout_s),
         heap_bytes=cur.heap_bytes if heap_bytes is None else int(heap_bytes),
+        copy_path=cur.copy_path if copy_path is None else copy_path,
     )
     _validate(new)
     if new.heap_bytes != cur.heap_bytes:
         reset()
     cur.max_sms, cur.timeout_s, cur.heap_bytes = new.max_sms, new.timeout_s, new.heap_bytes
+    cur.copy_path = new.copy_path
 
 
-def settings() -> dict[str, float]:
-    """The settings in force: ``{"max_sms", "timeout_s", "heap_bytes"}``."""
+def settings() -> dict[str, float | str]:
+    """The settings in force: ``{"max_sms", "timeout_s", "heap_bytes", "copy_path"}``."""
     return dataclasses.asdict(_current())
 
 
@@ -162,7 +176,7 @@ def last_compiled(kernel: str) -> object | None:
     """What Triton compiled for the last launch of collective kernel ``kernel`` (e.g. "_all_gather_kernel")
     in this process: its ``CompiledKernel`` (``.asm["ptx"]``, ``.n_regs``, ``.n_spills``), or None before
     a launch and under the interpreter, which compiles nothing. The benchmarks read their PTX columns
-    from it (:func:`smptk.kernels.codegen.compiled_facts`)."""
+    from it (:func:`smptk.kernels._codegen.compiled_facts`)."""
     return _last_compiled.get(kernel)
 
 
@@ -534,6 +548,20 @@ def _two_shot_slice(n: int, world: int, dtype: torch.dtype) -> int:
     return -(-n // (world * per_vector)) * per_vector
 
 
+def _tma(device: torch.device) -> int:
+    """The data kernels' TMA constexpr for a launch on ``device``: 0 the pointer path; with copy_path "tma",
+    2 where the kernel is compiled for a GPU with TMA (sm_90+: loads through descriptors, after an
+    async-proxy fence) and 1 under the interpreter (the same code path, no fence to emit)."""
+    if _current().copy_path != "tma":
+        return 0
+    if runtime.interpreter_enabled():
+        return 1
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        ensure_allocator()  # device-side descriptors take scratch memory from Triton's allocator
+        return 2
+    return 0
+
+
 # One launch of each kernel, on a heap or a simulated world (see :func:`_launch`): the collectives below
 # call these per chunk, and smptk.comm.simulated calls them for its single-launch messages.
 def _launch_all_reduce(heap, src, dst, programs: int, code: int, algorithm: str, numel: int) -> None:
@@ -544,13 +572,16 @@ def _launch_all_reduce(heap, src, dst, programs: int, code: int, algorithm: str,
     else:
         kernel, sizes = K._all_reduce_two_shot_kernel, (n, _two_shot_slice(n, heap.world_size, dtype))
     call = _Call(f"all_reduce_{algorithm}", dtype, code, numel, n)
-    _launch(heap, kernel, programs, (src, dst), sizes, call=call, OP=code, ACC=_acc_type(dtype))
+    meta = {"OP": code, "ACC": _acc_type(dtype), "TMA": _tma(src.device)}
+    _launch(heap, kernel, programs, (src, dst), sizes, call=call, **meta)
 
 
 def _launch_all_gather(heap, src, dst, n: int, out_stride: int, programs: int, numel: int) -> None:
     """``dst[q * out_stride + i] = (src of rank q)[i]``, ``i < n``; a chunk of a ``numel``-element input."""
     call = _Call("all_gather", src.dtype, -1, numel, n)
-    _launch(heap, K._all_gather_kernel, programs, (src, dst), (n, out_stride), call=call)
+    _launch(
+        heap, K._all_gather_kernel, programs, (src, dst), (n, out_stride), call=call, TMA=_tma(src.device)
+    )
 
 
 def _launch_reduce_scatter(heap, src, dst, n: int, in_stride: int, programs: int, code: int, numel: int):
@@ -558,14 +589,17 @@ def _launch_reduce_scatter(heap, src, dst, n: int, in_stride: int, programs: int
     ``numel``-element output."""
     call = _Call("reduce_scatter", src.dtype, code, numel, n)
     acc = _acc_type(src.dtype)
-    _launch(heap, K._reduce_scatter_kernel, programs, (src, dst), (n, in_stride), call=call, OP=code, ACC=acc)
+    meta = {"OP": code, "ACC": acc, "TMA": _tma(src.device)}
+    _launch(heap, K._reduce_scatter_kernel, programs, (src, dst), (n, in_stride), call=call, **meta)
 
 
 def _launch_all_to_all(heap, src, dst, windows, slot: int, programs: int, n_rounds: int) -> None:
     """One all-to-all round; ``windows``: int64 ``[4, world]`` on the kernels' device, rows input offset,
     input length, output offset, output length of each rank's window (see ``K._all_to_all_kernel``)."""
     call = _Call("all_to_all", src.dtype, -1, n_rounds, slot)
-    _launch(heap, K._all_to_all_kernel, programs, (src, dst, *windows), (slot,), call=call)
+    _launch(
+        heap, K._all_to_all_kernel, programs, (src, dst, *windows), (slot,), call=call, TMA=_tma(src.device)
+    )
 
 
 def all_reduce(

@@ -6,6 +6,8 @@ for sm_90 / sm_80 with Triton's own ptxas) and by the benchmarks (which read the
 
 - ``wgmma``: Hopper warp-group MMA instructions (a Hopper-grade GEMM has them);
 - ``tma_loads`` / ``tma_stores``: TMA bulk tensor copies (``cp.async.bulk.tensor``) global -> shared and back;
+- ``async_global_fences``: ``fence.proxy.async.global``, which TMA reads of data that ordinary stores wrote
+  (and a barrier published) need first;
 - ``v128_loads`` / ``v128_stores``: 128-bit global accesses (``ld.global.v4.b32``, ``.v2.b64``...), what a
   bandwidth-bound loop needs: a warp then moves 512 bytes per instruction;
 - ``scalar_loads`` / ``scalar_stores``: 8- to 32-bit global accesses (a warp moves 32 to 128 bytes);
@@ -29,8 +31,11 @@ from typing import Any
 # suffix; 128 bits = 4 x 32 or 2 x 64 bits.
 PTX_COUNTS = {
     "wgmma": re.compile(r"wgmma\.mma_async"),
-    "tma_loads": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"),
+    # Triton 3.9 writes the destination as shared::cta, 3.6 as shared::cluster (a 1-CTA cluster: same copy)
+    "tma_loads": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.shared::(?:cta|cluster)\.global"),
     "tma_stores": re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"),
+    # orders the generic proxy's global writes (a peer's data, published by a barrier) before TMA reads
+    "async_global_fences": re.compile(r"fence\.proxy\.async\.global"),
     "v128_loads": re.compile(r"\bld\.global(?:\.[\w:]+)*?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\s"),
     "v128_stores": re.compile(r"\bst\.global(?:\.[\w:]+)*?\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\s"),
     "scalar_loads": re.compile(r"\bld\.global(?:\.(?!v\d)[\w:]+)*?\.[bfsu](?:8|16|32)\s"),

@@ -70,7 +70,7 @@ from smptk import settings
 from smptk.kernels import runtime
 from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_fwd
 from smptk.kernels._index import expert_row_tile, expert_rows, row_tile_bound, swizzle
-from smptk.kernels._triton import HAVE_TRITON, tl, triton
+from smptk.kernels._triton import HAVE_TRITON, ensure_allocator, tl, triton
 from smptk.kernels.collectives import _BLOCKS_WORD, _expired, _i64, _region
 
 GROUP_NONE, GROUP_ROWS, GROUP_REDUCTION, GROUP_RANKS, GROUP_RANKS_SCATTER = 0, 1, 2, 3, 4
@@ -667,26 +667,6 @@ def _autotuned(configs: tuple[Config, ...]):
     )(_gemm_kernel)
 
 
-def _torch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need scratch memory from Triton's allocator hook; install a torch one
-    unless one is set. Checked at every TMA launch: Triton keeps the hook in a ContextVar, and autograd
-    runs CUDA backwards on its own thread, where a hook set on the main thread is not visible."""
-    if runtime.interpreter_enabled():
-        return
-    try:
-        from triton.runtime import _allocation
-
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except Exception:  # private module moved: install ours
-        pass
-    triton.set_allocator(_torch_alloc)
-
-
 @dataclasses.dataclass
 class _Launch:
     """Everything one launch of ``_gemm_kernel`` needs, as logical views (see the kernel's docstring)."""
@@ -773,7 +753,7 @@ class _Launch:
             EXPERT_BLOCK=_EXPERT_BLOCK_INTERPRETER if runtime.interpreter_enabled() else _EXPERT_BLOCK,
         )  # fmt: skip
         if tma:
-            _ensure_allocator()
+            ensure_allocator()
         if runtime.interpreter_enabled() or not settings.autotune():
             cfg = _default_config(configs, M, C)
             meta = cfg.meta()

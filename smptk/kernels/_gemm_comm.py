@@ -95,7 +95,7 @@ from smptk.kernels._gemm import (
     _gemm_tiles,
     _wait_ready,
 )
-from smptk.kernels._triton import tl, triton
+from smptk.kernels._triton import ensure_allocator, tl, triton
 from smptk.kernels.collectives import (
     _ABORT_WORD,
     _BLOCKS_WORD,
@@ -413,7 +413,7 @@ def _plan(a: torch.Tensor, C: int, world: int, tma: bool, other_programs: int) -
     else:
         programs = _gemm._programs(a.device, tiles)
     if tma:
-        _gemm._ensure_allocator()
+        ensure_allocator()
     return cfg, programs
 
 

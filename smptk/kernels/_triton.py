@@ -211,6 +211,32 @@ def interpreter_at_import() -> bool | None:
     return globals()["INTERPRETER_AT_IMPORT"]
 
 
+def _torch_alloc(size: int, alignment: int, stream: int | None) -> Any:
+    import torch
+
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def ensure_allocator() -> None:
+    """Device-side tensor descriptors (``tl.make_tensor_descriptor`` in a compiled kernel) need scratch
+    memory from Triton's allocator hook; install a torch one unless one is set. Called at every launch that
+    builds descriptors (the GEMM engine's TMA path, the collectives' TMA copies): Triton keeps the hook in a
+    ContextVar, and autograd runs CUDA backwards on its own thread, where a hook set on the main thread is
+    not visible. Nothing to do under the interpreter."""
+    if interpreter_at_import() is not False:
+        return
+    import triton as real_triton
+
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except Exception:  # private module moved: install ours
+        pass
+    real_triton.set_allocator(_torch_alloc)
+
+
 class _KernelModule:
     """A kernel module that is imported on first attribute access (see :func:`kernel_module`)."""
 
@@ -351,6 +377,7 @@ __all__ = [
     "MISSING_MESSAGE",
     "available",
     "cdiv",
+    "ensure_allocator",
     "interpreter_at_import",
     "kernel_module",
     "next_power_of_2",

@@ -62,6 +62,13 @@ multiple of VEC. The reduce-scatter blocks ``q * n`` are aligned when the chunk 
 (every chunk but a message's last), the all-to-all split offsets when the splits are. A range whose
 offsets are not (an odd last reduce-scatter chunk, an odd split) takes the scalar path.
 
+TMA copies (``TMA`` constexpr, the host's ``copy_path="tma"``; sm_90+ and the interpreter): on the vector
+path a copy loads its whole rows through a tensor descriptor in a loop Triton pipelines over shared memory
+(:func:`_copy_rows_tma`), so a program has several tiles in flight instead of one; it stores them with the
+same 128-bit stores, and the rest goes masked as above. Tiles and their owners are the same on both paths.
+Before TMA reads of the peers' regions a kernel issues ``fence.proxy.async.global``: TMA reads go through
+the async proxy, which the barrier's release / acquire (generic proxy) does not order by itself.
+
 ``SIMULATED=True`` skips every barrier: one rank's kernel moves data through W buffers that all live in
 one device's memory, with no peer to wait for. Only the benchmarks' single-GPU "simulated world" uses it;
 its numbers are labeled as such and are not multi-GPU measurements.
@@ -121,6 +128,15 @@ SUB_BLOCK = 2048
 PEERS = 8
 _SUB_BLOCK = tl.constexpr(SUB_BLOCK)
 _PEERS = tl.constexpr(PEERS)
+# The TMA copy path (SMPTK_COMM_COPY_PATH=tma; :func:`_copy_rows_tma`): a tile is TILE / TMA_ROW rows of
+# TMA_ROW elements (a TMA box side is at most 256 elements), loaded in a loop of TMA_STAGES pipeline stages.
+# For this loop (the tile consumed in registers) Triton allocates TMA_STAGES - 1 shared-memory buffers:
+# 3 x 32 KiB = 96 KiB a program (Triton 3.6 and 3.9, sm_90), so two programs still fit an SM (H100:
+# 227 KiB), as the register budget below allows. Untuned: not yet measured on a GPU.
+TMA_ROW = 256
+TMA_STAGES = 4
+_TMA_ROW = tl.constexpr(TMA_ROW)
+_TMA_STAGES = tl.constexpr(TMA_STAGES)
 # Launch options of every data-moving kernel (see :class:`_Launch`). 8 warps: 11-68% over 4 warps at one
 # program (all_gather 84.0 -> 93.1 GB/s, one-shot 35.2 -> 59.1; bench above). maxnreg=128: without a cap,
 # ptxas's occupancy heuristic spills long-lived values to stop at 80 registers (Triton 3.9, sm_90: 4-100
@@ -391,16 +407,52 @@ def _first_tile(t0, pid, P):
 
 
 @triton.jit
-def _copy(src, dst, src_base, dst_base, n, pid, P, BLOCK: tl.constexpr):
+def _async_proxy_fence(TMA: tl.constexpr):
+    """TMA == 2 (compiled for a GPU): ``fence.proxy.async.global``, so the TMA loads (the async proxy) that
+    follow see what the barrier before them made visible to ordinary loads (the generic proxy)."""
+    if TMA == 2:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _copy_rows_tma(s, d, rows, pid, P, BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """d[i] = s[i] for the whole ROW-element rows, i < rows * ROW (ROW = min(TMA_ROW, BLOCK)); tile t (rows
+    [t * R, (t + 1) * R), R = BLOCK / ROW: the same elements as tile t of :func:`_copy`) is program t % P's.
+    ``s`` and ``d`` are 16-byte aligned.
+
+    Loads go through a tensor descriptor over ``s`` viewed as ``[rows, ROW]`` (a TMA box is at most 256
+    elements a side, so a 32 KiB tile is R rows of one box row each), in a loop Triton software-pipelines
+    over ``_TMA_STAGES - 1`` shared-memory buffers: while one tile goes out, the next ones are on their way
+    in, so a program keeps up to ``_TMA_STAGES - 1`` tiles in flight instead of one, with no registers held
+    for them.
+    Stores are ordinary 128-bit stores (row-masked in the last tile), so they are ordered with the barrier's
+    release as every other store of the kernels is.
+    """
+    ROW: tl.constexpr = min(_TMA_ROW, BLOCK)  # the interpreter's tiles are shorter than a TMA row
+    R: tl.constexpr = BLOCK // ROW
+    rows32 = _i64(rows).to(tl.int32)  # TMA coordinates are 32-bit: rows < 2^31 (n < 2^39 elements)
+    desc = tl.make_tensor_descriptor(s, shape=[rows32, ROW], strides=[ROW, 1], block_shape=[R, ROW])
+    r = tl.arange(0, R)
+    c = tl.arange(0, ROW)
+    for t in tl.range(pid, tl.cdiv(rows32, R), P, num_stages=_TMA_STAGES):
+        x = desc.load([t * R, 0])
+        row = _i64(t) * R + r
+        tl.store(d + row[:, None] * ROW + c[None, :], x, mask=(row < rows)[:, None])
+
+
+@triton.jit
+def _copy(src, dst, src_base, dst_base, n, pid, P, BLOCK: tl.constexpr, TMA: tl.constexpr = 0):
     """dst[dst_base + i] = src[src_base + i] for i < n; tile t (elements [t * BLOCK, (t + 1) * BLOCK), BLOCK
-    in this dtype's elements) is program t % P's on both paths.
+    in this dtype's elements) is program t % P's on every path.
 
     ``src`` and ``dst`` are data regions (:func:`_region`) or the kernel's tensor arguments, which Triton's
     launcher specializes as 16-byte aligned exactly when they are. Vector path, when both are 16-byte
     aligned and both bases a whole number of 16 bytes (a uniform branch): every whole tile with one
     unmasked load and store of BLOCK elements, which the compiler can prove aligned and contiguous (128-bit
-    accesses), then the partial last tile masked. Else every tile masked, which compiles to scalar
-    accesses. Masked tiles go in SUB-element pieces.
+    accesses); with TMA (1: TMA loads; 2: the same compiled for a GPU, after an async-proxy fence), the
+    whole ``_TMA_ROW``-element rows through :func:`_copy_rows_tma` instead. Then the rest masked. Else every
+    tile masked, which compiles to scalar accesses. Masked tiles go in SUB-element pieces.
     """
     DTYPE = dst.dtype.element_ty
     VEC: tl.constexpr = 128 // DTYPE.primitive_bitwidth  # elements per 16 bytes
@@ -408,19 +460,28 @@ def _copy(src, dst, src_base, dst_base, n, pid, P, BLOCK: tl.constexpr):
     full = n // BLOCK
     vector = _aligned(src) & _aligned(dst) & (_i64(src_base) % VEC == 0).to(tl.int32)
     vector = vector & (_i64(dst_base) % VEC == 0).to(tl.int32)
+    done = _i64(0)  # elements [0, done) moved by the vector path: the rest go masked
     if vector != 0:
         s = src + _vec_offset(src_base, VEC)
         d = dst + _vec_offset(dst_base, VEC)
-        offs = tl.arange(0, BLOCK)
-        for t in range(pid, full, P):
-            i = _i64(t) * BLOCK + offs
-            tl.store(d + i, tl.load(s + i))
+        if TMA != 0:
+            ROW: tl.constexpr = min(_TMA_ROW, BLOCK)
+            rows = n // ROW
+            if rows > 0:
+                _copy_rows_tma(s, d, rows, pid, P, BLOCK, TMA)
+            done = _i64(rows) * ROW
+        else:
+            offs = tl.arange(0, BLOCK)
+            for t in range(pid, full, P):
+                i = _i64(t) * BLOCK + offs
+                tl.store(d + i, tl.load(s + i))
+            done = _i64(full) * BLOCK
     s = src + src_base
     d = dst + dst_base
     offs_sub = tl.arange(0, SUB)
-    for t in range(_first_tile(tl.where(vector != 0, full, 0), pid, P), tl.cdiv(n, BLOCK), P):
-        lo = _i64(t) * BLOCK
-        for c in range(0, tl.minimum(BLOCK, n - lo), SUB):
+    for t in range(_first_tile(done // BLOCK, pid, P), tl.cdiv(n, BLOCK), P):
+        lo = tl.maximum(_i64(t) * BLOCK, done)  # the rows path can leave the start of its last tile done
+        for c in range(0, tl.minimum(_i64(t) * BLOCK + BLOCK, n) - lo, SUB):
             i = lo + c + offs_sub
             m = i < n
             tl.store(d + i, tl.load(s + i, mask=m), mask=m)
@@ -605,6 +666,7 @@ def _all_reduce_one_shot_kernel(
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     SIMULATED: tl.constexpr = False,
+    TMA: tl.constexpr = 0,
     call_tag=0,
     call_numel=0,
     call_chunk=0,
@@ -618,7 +680,7 @@ def _all_reduce_one_shot_kernel(
     TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
     own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
-        _copy(in_ptr, own, 0, 0, n, pid, P, TILE)
+        _copy(in_ptr, own, 0, 0, n, pid, P, TILE, TMA)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
@@ -644,6 +706,7 @@ def _all_reduce_two_shot_kernel(
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     SIMULATED: tl.constexpr = False,
+    TMA: tl.constexpr = 0,
     call_tag=0,
     call_numel=0,
     call_chunk=0,
@@ -659,7 +722,7 @@ def _all_reduce_two_shot_kernel(
     if entered != 0:  # after a failed call the staging buffer is left alone too
         for q in range(0, world):
             base = _i64(q) * slice_n
-            _copy(in_ptr, own, base, base, tl.minimum(slice_n, n - base), pid, P, TILE)
+            _copy(in_ptr, own, base, base, tl.minimum(slice_n, n - base), pid, P, TILE, TMA)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
@@ -667,10 +730,11 @@ def _all_reduce_two_shot_kernel(
         _reduce_range(data_W, world, base, own, base, tl.minimum(slice_n, n - base), pid, P, OP, ACC, TILE)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     if ok != 0:
+        _async_proxy_fence(TMA)
         for q in range(0, world):
             peer = _region(data_W, q, DTYPE)
             base = _i64(q) * slice_n
-            _copy(peer, out_ptr, base, base, tl.minimum(slice_n, n - base), pid, P, TILE)
+            _copy(peer, out_ptr, base, base, tl.minimum(slice_n, n - base), pid, P, TILE, TMA)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
@@ -690,6 +754,7 @@ def _all_gather_kernel(
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     SIMULATED: tl.constexpr = False,
+    TMA: tl.constexpr = 0,
     call_tag=0,
     call_numel=0,
     call_chunk=0,
@@ -703,13 +768,14 @@ def _all_gather_kernel(
     TILE: tl.constexpr = BLOCK * 16 // DTYPE.primitive_bitwidth  # 2 * BLOCK bytes in every dtype
     own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
-        _copy(in_ptr, own, 0, 0, n, pid, P, TILE)
+        _copy(in_ptr, own, 0, 0, n, pid, P, TILE, TMA)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
+        _async_proxy_fence(TMA)
         for q in range(0, world):
             peer = _region(data_W, q, DTYPE)
-            _copy(peer, out_ptr, 0, _i64(q) * out_stride, n, pid, P, TILE)
+            _copy(peer, out_ptr, 0, _i64(q) * out_stride, n, pid, P, TILE, TMA)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
@@ -731,6 +797,7 @@ def _reduce_scatter_kernel(
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     SIMULATED: tl.constexpr = False,
+    TMA: tl.constexpr = 0,
     call_tag=0,
     call_numel=0,
     call_chunk=0,
@@ -745,7 +812,7 @@ def _reduce_scatter_kernel(
     own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
         for q in range(0, world):
-            _copy(in_ptr, own, _i64(q) * in_stride, _i64(q) * n, n, pid, P, TILE)
+            _copy(in_ptr, own, _i64(q) * in_stride, _i64(q) * n, n, pid, P, TILE, TMA)
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
@@ -772,6 +839,7 @@ def _all_to_all_kernel(
     BLOCK: tl.constexpr,
     USE_CLOCK: tl.constexpr,
     SIMULATED: tl.constexpr = False,
+    TMA: tl.constexpr = 0,
     call_tag=0,
     call_numel=0,
     call_chunk=0,
@@ -791,10 +859,13 @@ def _all_to_all_kernel(
     own = _region(data_W, rank, DTYPE)
     if entered != 0:  # after a failed call the staging buffer is left alone too
         for d in range(0, world):
-            _copy(in_ptr, own, tl.load(in_off_W + d), _i64(d) * slot, tl.load(in_len_W + d), pid, P, TILE)
+            _copy(
+                in_ptr, own, tl.load(in_off_W + d), _i64(d) * slot, tl.load(in_len_W + d), pid, P, TILE, TMA
+            )
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
+        _async_proxy_fence(TMA)
         for q in range(0, world):
             peer = _region(data_W, q, DTYPE)
             _copy(
@@ -806,6 +877,7 @@ def _all_to_all_kernel(
                 pid,
                 P,
                 TILE,
+                TMA,
             )
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
