@@ -702,8 +702,12 @@ def evaluate(
 def priority(fields: dict[str, Any] | None, nodeid: str, targets: Sequence[Target] = TARGETS) -> int:
     """The index of the first target that needs this benchmark case (``len(targets)`` when none does).
 
-    ``fields`` are the case's row fields (``case.fields()``), None for tests without a case.
+    ``fields`` are the case's row fields (``case.fields()``), None for tests without a case. A case on
+    another copy path (``copy_path="tma"``, the A/B beside the default) ranks with its default-path twin, so
+    a GPU run with little time still compares the two where the targets look.
     """
+    if fields is not None and fields.get("copy_path") not in DEFAULT_COPY_PATH:
+        fields = {**fields, "copy_path": DEFAULT_COPY_PATH[0]}
     for i, target in enumerate(targets):
         if fields is not None and any(matches(fields, s) for s in target.selectors()):
             return i

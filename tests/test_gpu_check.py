@@ -186,6 +186,10 @@ def test_comm_best_peer_traffic_and_worst_slowdown() -> None:
     assert judge("comm.simulated_peer_gbps", [*rows, tma]).value == pytest.approx(470.0)
     named = row("smptk", 1.0, **sim, max_sms=8, size_bytes=256 << 20, peer_gbps=475.0, copy_path="pointer")
     assert judge("comm.simulated_peer_gbps", [*rows, named]).value == pytest.approx(475.0)
+    # ... but their cases run in the same tier as their default-path twins (a short GPU run still compares)
+    case = {**sim, "max_sms": 8, "size_bytes": 256 << 20, "copy_path": "pointer"}
+    tier = T.priority(case, "x")
+    assert tier < len(T.TARGETS) and T.priority({**case, "copy_path": "tma"}, "x") == tier
     inter = {"suite": "comm_interference", "op": "all_reduce_one_shot", "gemm_alone_s": {"median": 1e-3}}
     slow = [
         row("smptk", 1.05e-3, **inter, max_sms=8, slowdown=1.05, slowdown_bound=1.0727),
