@@ -184,9 +184,10 @@ _TABLE = (
     Variable("SMPTK_COMM_HEAP_BYTES", "integer", 64 * 1024 * 1024, "symmetric heap bytes per rank"),
     Variable("SMPTK_COMM_SYNC_CHECK", "flag", False, "on CUDA, check each collective's status at the end "
              "of every call (one host sync)"),
-    Variable("SMPTK_COMM_COPY_PATH", "choice", "pointer", "collectives' copies: pointer (128-bit loads, one "
-             "tile in flight a program) or tma (loads through TMA descriptors, pipelined over shared memory, "
-             "where the GPU has TMA (sm_90+) and under the interpreter; unmeasured on a GPU so far)",
+    Variable("SMPTK_COMM_COPY_PATH", "choice", "pointer", "collectives' loads: pointer (128-bit loads, one "
+             "tile in flight a program) or tma (copies, and reductions at 2, 4 and 8 ranks, load through TMA "
+             "descriptors, pipelined over shared memory, where the GPU has TMA (sm_90+) and under the "
+             "interpreter; unmeasured on a GPU so far)",
              choices=COMM_COPY_PATHS),
     # tests and benchmarks
     Variable("SMPTK_COMPILE_ALL", "flag", False, "kernel compile test: the full variant table, not the "

@@ -315,9 +315,10 @@ def test_io_numel_follows_nccl_tests_sizes() -> None:
 # accesses. Sizes: 1 and 7 (a partial tile only), 8 (one 16-byte vector of 16-bit elements), 1000 and 4099
 # (whole tiles of the interpreter's 256 elements and a tail; at W=3 the two-shot slices are 336 and 1368,
 # ceil(n / 3) rounded up to 16 bytes, so every slice starts aligned, while rank 1's reduce-scatter block
-# starts 4099 elements in and takes the scalar path), 4096 at W=2 (every offset aligned); on CUDA also
-# 3 x 8192 + 5 (whole 8192-element tiles). offset=1: misaligned input and output tensors.
-_PATH_SIZES = ((3, 1), (3, 7), (3, 8), (3, 1000), (2, 4096), (3, 4099))
+# starts 4099 elements in and takes the scalar path), 4096 at W=2 and 2056 at W=8 (every offset aligned;
+# the reductions' own loops for 2 and 8 ranks, and their TMA versions); on CUDA also 3 x 8192 + 5 (whole
+# 8192-element tiles). offset=1: misaligned input and output tensors.
+_PATH_SIZES = ((3, 1), (3, 7), (3, 8), (3, 1000), (2, 4096), (8, 2056), (3, 4099))
 _CUDA_PATH_SIZES = ((3, 3 * 8192 + 5), (2, 4 * 8192))
 
 

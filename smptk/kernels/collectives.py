@@ -64,10 +64,12 @@ offsets are not (an odd last reduce-scatter chunk, an odd split) takes the scala
 
 TMA copies (``TMA`` constexpr, the host's ``copy_path="tma"``; sm_90+ and the interpreter): on the vector
 path a copy loads its whole rows through a tensor descriptor in a loop Triton pipelines over shared memory
-(:func:`_copy_rows_tma`), so a program has several tiles in flight instead of one; it stores them with the
-same 128-bit stores, and the rest goes masked as above. Tiles and their owners are the same on both paths.
-Before TMA reads of the peers' regions a kernel issues ``fence.proxy.async.global``: TMA reads go through
-the async proxy, which the barrier's release / acquire (generic proxy) does not order by itself.
+(:func:`_copy_rows_tma`), so a program has several tiles in flight instead of one, and a reduction over 2,
+4 or 8 ranks loads each rank's pieces so (:func:`_reduce_tiles_tma`, same pieces and order); both store
+with the same 128-bit stores, and the rest goes masked as above. Tiles and their owners are the same on
+both paths. Before TMA reads of the peers' regions a kernel issues ``fence.proxy.async.global``: TMA
+reads go through the async proxy, which the barrier's release / acquire (generic proxy) does not order by
+itself.
 
 ``SIMULATED=True`` skips every barrier: one rank's kernel moves data through W buffers that all live in
 one device's memory, with no peer to wait for. Only the benchmarks' single-GPU "simulated world" uses it;
@@ -579,8 +581,69 @@ def _reduce_tiles_of(
 
 
 @triton.jit
+def _reduce_tiles_tma(
+    data_W,
+    base,
+    dst,
+    full,
+    pid,
+    P,
+    WORLD: tl.constexpr,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """:func:`_reduce_tiles_of` with TMA loads: the same pieces, combined in the same order (so ranks on
+    either path hold bitwise-equal results), each rank's piece loaded through a tensor descriptor over its
+    region viewed as ``[rows, ROW]``. One flat loop over this program's pieces, which Triton pipelines over
+    ``_TMA_STAGES - 1`` shared-memory buffers of WORLD pieces (32 KiB a stage in every dtype and world), so
+    the next pieces of every rank are on their way in while one is combined and stored."""
+    _async_proxy_fence(TMA)
+    DTYPE = dst.dtype.element_ty
+    PIECE: tl.constexpr = min(BLOCK, SUB * (8 // WORLD))
+    ROW: tl.constexpr = min(_TMA_ROW, PIECE)
+    R: tl.constexpr = PIECE // ROW  # rows of a piece
+    PIECES: tl.constexpr = BLOCK // PIECE  # pieces of a tile
+    ROWS_PER_TILE: tl.constexpr = BLOCK // ROW
+    rows = (_i64(full) * ROWS_PER_TILE).to(tl.int32)  # TMA coordinates are 32-bit
+    descs = ()
+    for q in tl.static_range(WORLD):
+        region = _region(data_W, q, DTYPE) + base
+        desc = tl.make_tensor_descriptor(region, shape=[rows, ROW], strides=[ROW, 1], block_shape=[R, ROW])
+        descs = descs + (desc,)  # noqa: RUF005 (no * in Triton)
+    mine = tl.maximum(_i64(full) - pid + P - 1, 0) // P * PIECES  # pieces of tiles pid, pid + P, ... < full
+    r = tl.arange(0, R)
+    c = tl.arange(0, ROW)
+    for k in tl.range(0, mine.to(tl.int32), num_stages=_TMA_STAGES):
+        row0 = (pid + (k // PIECES) * P) * ROWS_PER_TILE + (k % PIECES) * R
+        vals = ()
+        for q in tl.static_range(WORLD):
+            vals = vals + (descs[q].load([row0, 0]),)  # noqa: RUF005
+        acc = vals[0].to(ACC)
+        for q in tl.static_range(1, WORLD):
+            acc = _combine(acc, vals[q].to(ACC), OP)
+        if OP == 1:
+            acc = acc / WORLD
+        row = _i64(row0) + r
+        tl.store(dst + row[:, None] * ROW + c[None, :], acc.to(DTYPE))
+
+
+@triton.jit
 def _reduce_range(
-    data_W, world, base, dst, dst_base, n, pid, P, OP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
+    data_W,
+    world,
+    base,
+    dst,
+    dst_base,
+    n,
+    pid,
+    P,
+    OP: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TMA: tl.constexpr = 0,
 ):
     """dst[dst_base + i] = reduce over ranks q of (region of q)[base + i] for i < n; tile t is program t % P's
     (BLOCK in this dtype's elements).
@@ -589,7 +652,8 @@ def _reduce_range(
     whole numbers of 16 bytes: whole tiles unmasked, with a loop of its own for 2, 4 and 8 ranks (one
     node's usual groups: every load of a piece in flight, no predicates), PEERS-rank groups otherwise;
     then the partial last tile masked. Else every tile masked. All go in SUB-element pieces, so the loads
-    of a piece fit in registers.
+    of a piece fit in registers. With TMA (and 2, 4 or 8 ranks) the whole tiles load through descriptors
+    instead (:func:`_reduce_tiles_tma`), in the same pieces and order.
     """
     DTYPE = dst.dtype.element_ty
     VEC: tl.constexpr = 128 // DTYPE.primitive_bitwidth  # elements per 16 bytes
@@ -601,7 +665,14 @@ def _reduce_range(
     if vector != 0:
         b = _vec_offset(base, VEC)
         d = dst + _vec_offset(dst_base, VEC)
-        if world == 8:
+        if TMA != 0 and (world == 8 or world == 4 or world == 2) and full > 0:
+            if world == 8:
+                _reduce_tiles_tma(data_W, b, d, full, pid, P, 8, OP, ACC, BLOCK, SUB, TMA)
+            elif world == 4:
+                _reduce_tiles_tma(data_W, b, d, full, pid, P, 4, OP, ACC, BLOCK, SUB, TMA)
+            else:
+                _reduce_tiles_tma(data_W, b, d, full, pid, P, 2, OP, ACC, BLOCK, SUB, TMA)
+        elif world == 8:
             _reduce_tiles_of(data_W, b, d, full, pid, P, 8, OP, ACC, BLOCK, SUB)
         elif world == 4:
             _reduce_tiles_of(data_W, b, d, full, pid, P, 4, OP, ACC, BLOCK, SUB)
@@ -684,7 +755,7 @@ def _all_reduce_one_shot_kernel(
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
-        _reduce_range(data_W, world, 0, out_ptr, 0, n, pid, P, OP, ACC, TILE)
+        _reduce_range(data_W, world, 0, out_ptr, 0, n, pid, P, OP, ACC, TILE, TMA)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
@@ -727,7 +798,9 @@ def _all_reduce_two_shot_kernel(
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
         base = _i64(rank) * slice_n
-        _reduce_range(data_W, world, base, own, base, tl.minimum(slice_n, n - base), pid, P, OP, ACC, TILE)
+        _reduce_range(
+            data_W, world, base, own, base, tl.minimum(slice_n, n - base), pid, P, OP, ACC, TILE, TMA
+        )
     ok = _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     if ok != 0:
         _async_proxy_fence(TMA)
@@ -816,7 +889,7 @@ def _reduce_scatter_kernel(
     ok = _barrier(signal_W, status_ptr, rank, world, pid, entered, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
     ok = _verify(signal_W, status_ptr, rank, world, entered, ok, SIMULATED)
     if ok != 0:
-        _reduce_range(data_W, world, _i64(rank) * n, out_ptr, 0, n, pid, P, OP, ACC, TILE)
+        _reduce_range(data_W, world, _i64(rank) * n, out_ptr, 0, n, pid, P, OP, ACC, TILE, TMA)
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
