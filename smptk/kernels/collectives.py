@@ -543,6 +543,17 @@ def _reduce_regions(
 
 
 @triton.jit
+def _combine_ranks(vals, WORLD: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
+    """The ACC-typed reduction of the WORLD loaded pieces ``vals`` (a tuple), in rank order 0..WORLD-1."""
+    acc = vals[0].to(ACC)
+    for q in tl.static_range(1, WORLD):
+        acc = _combine(acc, vals[q].to(ACC), OP)
+    if OP == 1:
+        acc = acc / WORLD
+    return acc
+
+
+@triton.jit
 def _reduce_tiles_of(
     data_W,
     base,
@@ -572,12 +583,7 @@ def _reduce_tiles_of(
             vals = ()
             for q in tl.static_range(WORLD):
                 vals = vals + (tl.load(regions[q] + i),)  # noqa: RUF005
-            acc = vals[0].to(ACC)
-            for q in tl.static_range(1, WORLD):
-                acc = _combine(acc, vals[q].to(ACC), OP)
-            if OP == 1:
-                acc = acc / WORLD
-            tl.store(dst + i, acc.to(DTYPE))
+            tl.store(dst + i, _combine_ranks(vals, WORLD, OP, ACC).to(DTYPE))
 
 
 @triton.jit
@@ -621,13 +627,8 @@ def _reduce_tiles_tma(
         vals = ()
         for q in tl.static_range(WORLD):
             vals = vals + (descs[q].load([row0, 0]),)  # noqa: RUF005
-        acc = vals[0].to(ACC)
-        for q in tl.static_range(1, WORLD):
-            acc = _combine(acc, vals[q].to(ACC), OP)
-        if OP == 1:
-            acc = acc / WORLD
         row = _i64(row0) + r
-        tl.store(dst + row[:, None] * ROW + c[None, :], acc.to(DTYPE))
+        tl.store(dst + row[:, None] * ROW + c[None, :], _combine_ranks(vals, WORLD, OP, ACC).to(DTYPE))
 
 
 @triton.jit
