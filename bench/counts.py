@@ -110,14 +110,20 @@ def kernel_code_fields(kind: str, max_sms: int) -> dict[str, object]:
     if max_sms == 0:
         return {"ptx": None, "ptx_note": "copy engine: no kernel moves the data (tensor copies)"}
     from smptk.comm.collectives import last_compiled
+    from smptk.kernels import runtime
     from smptk.kernels._codegen import compiled_facts
 
     facts = compiled_facts(last_compiled(COLLECTIVE_KERNELS[kind]))
-    if facts is None:
+    if facts is None and runtime.interpreter_enabled():
         return {
             "ptx": None,
             "ptx_note": "nothing compiled: the kernel ran in Triton's interpreter (CI's compile checks hold "
             "the sm_90 figures: tests/test_comm_ptx.py)",
+        }
+    if facts is None:
+        return {
+            "ptx": None,
+            "ptx_note": f"no compiled {COLLECTIVE_KERNELS[kind]} was recorded in this process",
         }
     return {
         "ptx": {k: facts[k] for k in ("target", *PTX_COLUMNS)},

@@ -86,3 +86,25 @@ def test_docstring_examples_run() -> None:
         if test.name.endswith(("ptx_counts", "parse_ptxas_log", "_codegen")):
             ran += runner.run(test).attempted
     assert ran >= 3 and runner.failures == 0
+
+
+def test_benchmark_rows_say_where_their_code_facts_come_from(monkeypatch) -> None:
+    """bench.counts.kernel_code_fields: the facts of the kernel that ran, or None with the reason (copy
+    engine, interpreter, or no compiled kernel recorded), never zeros that look measured."""
+    from bench import counts
+    from smptk.comm import collectives
+    from smptk.kernels import runtime
+
+    assert counts.kernel_code_fields("all_gather", 0)["ptx_note"].startswith("copy engine")
+    monkeypatch.setattr(runtime, "interpreter_enabled", lambda: True)
+    monkeypatch.setattr(collectives, "_last_compiled", {})
+    assert counts.kernel_code_fields("all_gather", 4)["ptx_note"].startswith("nothing compiled")
+    monkeypatch.setattr(runtime, "interpreter_enabled", lambda: False)
+    assert "no compiled _all_gather_kernel" in counts.kernel_code_fields("all_gather", 4)["ptx_note"]
+    compiled = types.SimpleNamespace(asm={"ptx": PTX}, n_regs=94, n_spills=0)
+    monkeypatch.setattr(collectives, "_last_compiled", {"_reduce_scatter_kernel": compiled})
+    row = counts.kernel_code_fields("reduce_scatter", 8)
+    assert row["ptx"] == {"target": "sm_90a", "v128_loads": 3, "v128_stores": 1, "scalar_loads": 2,
+                          "scalar_stores": 1, "registers": 94, "local_bytes": 0}  # fmt: skip
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        counts.kernel_code_fields("broadcast", 1)
