@@ -277,6 +277,7 @@ def test_more_programs_than_fit_are_refused_on_cuda(monkeypatch) -> None:
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: _gpu("NVIDIA A100-SXM4-80GB", 108)
     )
+    collectives._resident_on.cache_clear()  # asked once per device: no answer from before this fake GPU
     kernel = types.SimpleNamespace(launch_options={"num_warps": 8, "maxnreg": 128})
     collectives._check_resident(kernel, 216, torch.device("cuda", 0))
     with pytest.raises(
@@ -285,6 +286,7 @@ def test_more_programs_than_fit_are_refused_on_cuda(monkeypatch) -> None:
         collectives._check_resident(kernel, 217, torch.device("cuda", 0))
     collectives._check_resident(kernel, 256, torch.device("cpu"))
     collectives._check_resident(types.SimpleNamespace(), 256, torch.device("cuda", 0))  # no launch options
+    collectives._resident_on.cache_clear()  # nor after it
 
 
 def test_settings_defaults(fresh_settings) -> None:

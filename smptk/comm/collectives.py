@@ -25,6 +25,7 @@ Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -406,18 +407,27 @@ def resident_programs(props, launch_options: dict) -> int:
     return max(min(by_regs, by_threads), 1) * props.multi_processor_count
 
 
+@functools.cache
+def _resident_on(device_index: int, num_warps: int, maxnreg: int | None) -> tuple[int, str, int]:
+    """(:func:`resident_programs`, GPU name, SM count) of CUDA device ``device_index``: asked once per device
+    and launch options, not at every launch."""
+    props = torch.cuda.get_device_properties(device_index)
+    options = {"num_warps": num_warps} | ({} if maxnreg is None else {"maxnreg": maxnreg})
+    return resident_programs(props, options), props.name, props.multi_processor_count
+
+
 def _check_resident(kernel, programs: int, device: torch.device) -> None:
     """Refuse a launch of ``programs`` programs of a collective kernel that do not all fit on ``device``
     at once (see :func:`resident_programs`); CUDA devices only."""
     options = getattr(kernel, "launch_options", None)
     if options is None or device.type != "cuda":
         return
-    props = torch.cuda.get_device_properties(device)
-    fit = resident_programs(props, options)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fit, name, sms = _resident_on(index, options["num_warps"], options.get("maxnreg"))
     if programs > fit:
         raise ValueError(
-            f"max_sms: {programs} programs do not all fit on {props.name} at once ({fit}: "
-            f"{fit // props.multi_processor_count} per SM x {props.multi_processor_count} SMs at "
+            f"max_sms: {programs} programs do not all fit on {name} at once ({fit}: "
+            f"{fit // sms} per SM x {sms} SMs at "
             f"{options['num_warps']} warps, {options.get('maxnreg', 255)} registers per thread); the "
             f"collective's programs wait for one another across ranks, so use max_sms <= {fit}"
         )
