@@ -1152,6 +1152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             if ctx.rank == 0:
                 print(f"bench.comm_dist: {part} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        dist.barrier()  # before the exit (README: "Ending a job"); not after an error
     finally:
         if "smptk.comm" in sys.modules:
             sys.modules["smptk.comm"].reset()

@@ -634,6 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_config(ctx, state, shape, config, impls)
             if ctx.rank == 0:
                 print(f"bench.tp_dist: {config} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        dist.barrier()  # before the exit (README: "Ending a job"); not after an error
     finally:
         if "smptk.comm" in sys.modules:
             sys.modules["smptk.comm"].reset()

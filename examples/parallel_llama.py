@@ -291,7 +291,9 @@ def main(argv=None) -> int:
             }
         state = sp.init(config)
         check_model_config(MODEL, state.sizes["tp"])
-        return run(args, state, device)
+        code = run(args, state, device)
+        dist.barrier()  # before the exit (README: "Ending a job"); not after an error
+        return code
     finally:
         sp.reset()
         dist.destroy_process_group()

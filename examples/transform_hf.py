@@ -101,6 +101,7 @@ def main() -> None:
             model.save_pretrained(args.save, state_dict=state)  # from_pretrained(args.save) reads it back
             print(f"saved to {args.save}")
     sp.reset()
+    dist.barrier()  # before the exit (README: "Ending a job")
     dist.destroy_process_group()
 
 
