@@ -10,10 +10,20 @@ GPU_CHECK_MINUTES ?= 25
 GPU_CHECK_T0 := $(shell date +%s)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: test bench gpu-check lint format info clean
+# compat-check's environment: the GPU image's Triton beside the CI's torch (numpy < 2: Triton 3.6's
+# interpreter calls int() on 1-element arrays, which NumPy 2 refuses)
+COMPAT_VENV ?= .venv-triton36
+COMPAT_PINS ?= triton==3.6.0 numpy<2
+STAMP_COMPAT := $(COMPAT_VENV)/.smptk-compat
+
+.PHONY: test compat-check bench gpu-check lint format info clean
 
 $(STAMP_TEST): pyproject.toml scripts/bootstrap.py
 	$(PYTHON) scripts/bootstrap.py --venv $(VENV) --extras test --optional-extras parallel-tests,planner-tests
+	touch $@
+
+$(STAMP_COMPAT): pyproject.toml scripts/bootstrap.py
+	$(PYTHON) scripts/bootstrap.py --venv $(COMPAT_VENV) --extras test $(foreach p,$(COMPAT_PINS),--pin '$(p)')
 	touch $@
 
 $(STAMP_DEV): pyproject.toml scripts/bootstrap.py
@@ -28,6 +38,12 @@ TEST_WORKERS ?= 0
 test: $(STAMP_TEST)
 	$(VPY) -m pytest $$($(VPY) -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] \
 	    && echo "-n $(TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
+
+## compat-check: the compile checks (every kernel compiles; the GEMMs' wgmma / TMA, the collectives' 128-bit
+## accesses, spills) for sm_90 under Triton 3.6, the version of the GPU image, which CI's .venv does not have
+compat-check: $(STAMP_COMPAT)
+	$(COMPAT_VENV)/bin/python -m pytest tests/test_kernels_compile.py tests/test_comm_ptx.py -k "not sm80" \
+	    -p no:cacheprovider -q $(PYTEST_ARGS)
 
 ## bench: the benchmark suite and its report (GPU: measured; CPU: quick functional mode)
 bench: $(STAMP_TEST)
@@ -52,4 +68,4 @@ format: $(STAMP_DEV)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .benchmarks
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache .benchmarks

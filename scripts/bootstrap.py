@@ -11,6 +11,8 @@ Rules, in order:
    and install only those that are absent or whose installed version does not satisfy the specifier.
    A missing torch is installed as ``$SMPTK_TORCH_SPEC`` (default ``torch==2.13.0``, pinned so that a
    CPU machine takes the CPU build it has rather than the newest CUDA build).
+   ``--pin SPEC`` requirements are installed before that check, so a second environment can hold another
+   version of a dependency (``make compat-check``: Triton 3.6, the GPU image's version).
 3. Make ``smptk`` importable from this checkout: an editable install when setuptools is present,
    otherwise a ``.pth`` file (no network needed either way).
 
@@ -129,6 +131,13 @@ def main() -> int:
     parser.add_argument("--venv", default=str(ROOT / ".venv"), help="environment folder (default: .venv)")
     parser.add_argument("--extras", default="test", help="comma-separated extras of pyproject.toml")
     parser.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a requirement installed first and kept (e.g. triton==3.6.0 for the compat venv); repeatable",
+    )
+    parser.add_argument(
         "--optional-extras",
         default="",
         help="comma-separated extras installed best effort (a failure, e.g. no package index, is not fatal)",
@@ -139,6 +148,10 @@ def main() -> int:
     python = _venv_python(venv_dir)
     if not python.exists():
         create_venv(venv_dir)
+
+    pins_missing = missing_requirements(python, args.pin) if args.pin else []
+    if pins_missing:  # first, so that the project's looser requirements find them satisfied
+        pip_install(python, pins_missing)
 
     project = _read_pyproject()["project"]
     requirements = list(project["dependencies"])
@@ -163,7 +176,7 @@ def main() -> int:
             pip_install(python, ["--retries", "0", "--timeout", "10", *optional_missing], quiet_failure=True)
         except subprocess.CalledProcessError:
             print(f"[bootstrap] optional, not installed (going on without): {optional_missing}")
-    still = missing_requirements(python, requirements)
+    still = missing_requirements(python, requirements + args.pin)
     if still:
         print(f"[bootstrap] still missing after install: {still}", file=sys.stderr)
         return 1

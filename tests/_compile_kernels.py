@@ -54,8 +54,8 @@ Coverage. ``SMPTK_COMPILE_ALL=1`` / ``--all`` (``smptk.settings.compile_all()``)
   the default 300 s timeout (an i64 argument); per kernel one bf16 variant with an i32 timeout and i64 sizes,
   and one with SIMULATED=True where the kernel has that flag; the one-program ``_signal_kernel`` of the
   copy-engine collectives (no data, no dtype) in the same three modes. Built with each kernel's own launch
-  options (``collectives.LAUNCH_OPTIONS``: ``num_warps``, ``maxnreg``; the signal kernel Triton's defaults),
-  as the launch path runs them.
+  options (``collectives.LAUNCH_OPTIONS``: ``num_warps``, ``maxnreg``; the signal kernel's
+  ``SIGNAL_LAUNCH_OPTIONS``: one warp), as the launch path runs them.
 - ``moe_route`` and ``moe_dispatch`` kernels (T = 4096 tokens, H = 2048): per kernel the DeepSeek-V2-Lite
   set-up (E = 64, k = 6; bf16 logits and rows, int32 ids, fp32 routing weights, capacity factor 1.25)
   and an int64 one: DeepSeek-V3 routing (E = 256, k = 8, sigmoid + expert bias) in fp32 past 2^31 tokens,

@@ -44,6 +44,7 @@ if importlib.util.find_spec("triton") is None:
 
 import _compile_kernels as ck
 import torch
+import triton
 from helpers import HAS_CUDA, use_path
 
 from smptk.kernels import _gemm, runtime
@@ -91,16 +92,35 @@ def test_kernel_compiles(compile_results: dict[str, dict], variant_id: str) -> N
     _compiled(compile_results, variant_id)
 
 
+# Spills that Triton 3.6, the GPU image's version (``make compat-check`` compiles the quick set with it),
+# leaves in a shipped config where the CI's Triton leaves none: variant id -> the most bytes of spill stores
+# and of spill loads it may have there. A new spill, or more bytes, still fails on 3.6.
+TRITON_3_6_SPILLS = {
+    # 255 registers on 3.6, 184 on 3.9: 3.6 writes the per-expert tensor descriptors from every thread. The
+    # spilled values are per tile (its SASS: 4 local stores before the tile loop, 4 loads per tile, none in
+    # the wgmma K loop). What it costs on an H100 is not measured.
+    "gemm-sm90-grouped_swiglu_fwd-tma-bf16-128x128x64-s3-w8-e2": 16,
+}
+_TRITON_3_6 = tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6)
+
+
+def test_triton_3_6_spills_name_shipped_variants() -> None:
+    """Every allowance names a GEMM variant of the quick set (an allowance outliving its config fails)."""
+    assert set(TRITON_3_6_SPILLS) <= set(GEMM_IDS), sorted(set(TRITON_3_6_SPILLS) - set(GEMM_IDS))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant_id", GEMM_IDS)
 def test_gemm_no_spills(compile_results: dict[str, dict], variant_id: str) -> None:
     """A spill is a local-memory round trip in the K loop or the epilogue: no shipped config may have one."""
     r = _compiled(compile_results, variant_id)
-    if r["spill_stores"] or r["spill_loads"]:
+    allowed = TRITON_3_6_SPILLS.get(variant_id, 0) if _TRITON_3_6 else 0
+    if r["spill_stores"] > allowed or r["spill_loads"] > allowed:
         pytest.fail(
             f"{variant_id} spills on sm_{VARIANTS[variant_id].arch}: {r['spill_stores']} B stores, "
             f"{r['spill_loads']} B loads at {r['registers']} registers/thread "
-            f"(shrink the config or drop it from _gemm.py's lists)",
+            f"(shrink the config or drop it from _gemm.py's lists)"
+            + (f"; Triton 3.6 is allowed {allowed} B here" if allowed else ""),
             pytrace=False,
         )
 

@@ -138,13 +138,15 @@ _PTR_SWIGLU_CONFIGS = (
     Config(64, 64, 64, 4, 4),
 )
 # fp32 with TF32 (tensor-core MMA): K steps of 32, a stage's bytes those of 16-bit at 64; 16 for 128x128 (at
-# 32: up to 172 B of spills). The smallest tile takes 4 warps: at 2 warps some op kinds spilled 4-12 B.
+# 32: up to 172 B of spills). The smallest tile takes 4 warps (at 2 some op kinds spilled 4-12 B) and 2
+# stages: at 4, Triton 3.6 spilled 4 B in SwiGLU's dx on sm_80; at 3, 4-8 B in other SwiGLU dx kinds on
+# 3.6 and 3.9; at 2, no op kind of the full table spills on either (sm_80 and sm_90).
 _PTR_TF32_CONFIGS = (
     Config(128, 128, 16, 4, 8, epi_sub=2),
     Config(128, 64, 32, 4, 8),
     Config(64, 128, 32, 4, 8),
     Config(64, 64, 32, 4, 4),
-    Config(32, 32, 32, 4, 4),
+    Config(32, 32, 32, 2, 4),
 )
 _PTR_TF32_SWIGLU_CONFIGS = (
     Config(128, 64, 32, 4, 8),

@@ -145,6 +145,9 @@ _TMA_STAGES = tl.constexpr(TMA_STAGES)
 # bytes in 13 of the 63 compile-check variants); with it none spills (80-128 registers), and two 8-warp
 # programs fit an SM, so max_sms up to MAX_PROGRAMS=256 stays resident on H100.
 LAUNCH_OPTIONS = {"num_warps": 8, "maxnreg": 128}
+# The signal kernel moves no data: one program of one warp does its barrier and check. At Triton's default
+# 4 warps, Triton 3.6's code for it spilled 4 B on sm_80 (3.9's did not); at one warp neither does.
+SIGNAL_LAUNCH_OPTIONS = {"num_warps": 1}
 
 
 @triton.jit
@@ -717,11 +720,12 @@ class _Launch:
         return getattr(self.kernel, name)
 
 
-def _with_launch_options(kernel) -> _Launch:
-    return _Launch(kernel, LAUNCH_OPTIONS)
+def _launched_with(launch_options: dict):
+    """Decorator: the kernel as a :class:`_Launch` with ``launch_options``."""
+    return lambda kernel: _Launch(kernel, launch_options)
 
 
-@_with_launch_options
+@_launched_with(LAUNCH_OPTIONS)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_reduce_one_shot_kernel(
     in_ptr,
@@ -760,7 +764,7 @@ def _all_reduce_one_shot_kernel(
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
-@_with_launch_options
+@_launched_with(LAUNCH_OPTIONS)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_reduce_two_shot_kernel(
     in_ptr,
@@ -812,7 +816,7 @@ def _all_reduce_two_shot_kernel(
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
-@_with_launch_options
+@_launched_with(LAUNCH_OPTIONS)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_gather_kernel(
     in_ptr,
@@ -853,7 +857,7 @@ def _all_gather_kernel(
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
-@_with_launch_options
+@_launched_with(LAUNCH_OPTIONS)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _reduce_scatter_kernel(
     in_ptr,
@@ -894,7 +898,7 @@ def _reduce_scatter_kernel(
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
-@_with_launch_options
+@_launched_with(LAUNCH_OPTIONS)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _all_to_all_kernel(
     in_ptr,
@@ -956,6 +960,7 @@ def _all_to_all_kernel(
     _barrier(signal_W, status_ptr, rank, world, pid, ok, start_ns, timeout_ns, USE_CLOCK, SIMULATED)
 
 
+@_launched_with(SIGNAL_LAUNCH_OPTIONS)
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _signal_kernel(
     data_W,
