@@ -80,6 +80,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -282,8 +283,9 @@ def _elementwise_variants(arch: int, blocks: dict, full: bool) -> list[Variant]:
                 layouts = ("contig", "generic") if (dtype, act, colsum) == ("bf16", 4, True) else ("contig",)
                 for layout in layouts:
                     lconsts = dict(consts)
-                    if layout == "generic":
+                    if layout == "generic":  # no unit strides: the launcher's smaller strided tile
                         lconsts = {k: c for k, c in consts.items() if not k.startswith("s_")}
+                        lconsts.update(blocks["act_bwd_strided"])
                     out.append(
                         _variant(
                             f"act_bwd-sm{arch}-{dtype}-{act_name}-{flags}-{layout}",
@@ -433,11 +435,9 @@ def _route_variants(arch: int, blocks: dict, score_funcs: dict[str, int], full: 
     """moe_route's three kernels; ``blocks``: ``moe_route._FWD_BLOCKS`` (the CUDA values)."""
     out = []
 
-    def launch_blocks(E):  # moe_route._blocks, without the interpreter's values
-        BLOCK_E = _pow2(E)
-        BLOCK_T = max(1, min(blocks["TILE_ELEMS"] // BLOCK_E, blocks["MAX_BLOCK_T"], blocks["ROWS_PER_PROG"]))
-        stats_b = max(1, min(4096 // BLOCK_E, blocks["MAX_STATS_BLOCK_B"]))
-        return BLOCK_E, BLOCK_T, stats_b
+    def launch_blocks(E):  # the launcher's own choice, with the CUDA block table
+        b = importlib.import_module("smptk.kernels.moe_route")._blocks(E, blocks)
+        return b["BLOCK_E"], b["BLOCK_T"], b["STATS_BLOCK_B"]
 
     def add(name, kernel, tag, layout, ptrs, ints, consts, quick, big):
         if full or quick:
@@ -656,8 +656,6 @@ def variants(full: bool | None = None) -> list[Variant]:
 
     Imports the kernel modules for their configs, block sizes and codes only.
     """
-    import importlib
-
     from smptk import settings
     from smptk.kernels.heap_layout import OPS
 
@@ -672,6 +670,7 @@ def variants(full: bool | None = None) -> list[Variant]:
     blocks = {
         "act_names": {code: (name or "noact") for name, code in epilogue.ACTIVATION_CODES.items()},
         "act_bwd": dict(epilogue._ACT_BWD_BLOCK),
+        "act_bwd_strided": dict(epilogue._ACT_BWD_BLOCK_STRIDED),
         "colsum": epilogue._COLSUM_BLOCK_N,
         "swiglu_dh": dict(epilogue._DH_BLOCK),
     }

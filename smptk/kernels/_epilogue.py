@@ -42,6 +42,10 @@ _GELU_TANH_A = tl.constexpr(0.044715)
 # dz tiles. ROWS_PER_PROG rows per program bound the partial-sum buffer to ceil(M/512) x N fp32
 # (32 x 14336 x 4 B = 1.8 MB at M=16384) while leaving thousands of programs at LLM sizes. Untuned.
 _ACT_BWD_BLOCK = {"BLOCK_M": 32, "BLOCK_N": 128, "ROWS_PER_PROG": 512}
+# dy, z or dz without a unit stride along N (a view from autograd): every element has its own 64-bit
+# addresses, so a quarter of the rows per step. At 32 rows ptxas spilled 248 B (sm_90, Triton 3.9; 1.4 KB on
+# 3.6); at 8 nothing spills (62 registers on 3.9, 147 on 3.6).
+_ACT_BWD_BLOCK_STRIDED = {"BLOCK_M": 8, "BLOCK_N": 128, "ROWS_PER_PROG": 512}
 _ACT_BWD_BLOCK_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 32, "ROWS_PER_PROG": 32}
 _COLSUM_BLOCK_N = 256  # one program reduces 256 columns over all partial rows; untuned
 _DH_BLOCK = {"BLOCK_M": 32, "BLOCK_N": 128}  # untuned
@@ -165,10 +169,15 @@ def activation_backward(
         if colsum is not None:
             colsum.zero_()
         return dz, colsum
-    blocks = _ACT_BWD_BLOCK_INTERPRETER if runtime.interpreter_enabled() else _ACT_BWD_BLOCK
+    z = z_MN if z_MN is not None else dy_MN
+    if runtime.interpreter_enabled():
+        blocks = _ACT_BWD_BLOCK_INTERPRETER
+    elif any(t.stride(1) != 1 for t in (dy_MN, z, dz)):
+        blocks = _ACT_BWD_BLOCK_STRIDED
+    else:
+        blocks = _ACT_BWD_BLOCK
     rows = triton.cdiv(M, blocks["ROWS_PER_PROG"])
     partial = new_buffer((rows, N), torch.float32, dy_MN.device) if want_colsum else dy_MN
-    z = z_MN if z_MN is not None else dy_MN
     _act_bwd_kernel[(rows, triton.cdiv(N, blocks["BLOCK_N"]))](
         dy_MN, z, dz, partial, M, N, *dy_MN.stride(), *z.stride(), *dz.stride(),
         ACTIVATION=activation, STORE_DZ=store_dz, COLSUM=want_colsum, **blocks,

@@ -102,9 +102,11 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 # Plan kernels: a program covers PAIRS_PER_PROG pairs (so hist/base stay ~P/1024 x E: 1 MB at
 # P = 512K pairs, E = 256) in chunks of BLOCK_P pairs; the one-hot chunk is BLOCK_P x BLOCK_E, held to
-# ~4K elements (BLOCK_P = clamp(4096 // BLOCK_E, 16, 128)). The scan walks up to SCAN_BLOCK_B programs'
-# rows per step, also held to a ~4K-element tile. Untuned (no GPU run yet).
-_PLAN_BLOCKS = {"PAIRS_PER_PROG": 1024, "CHUNK_ELEMS": 4096, "MIN_BLOCK_P": 16, "SCAN_BLOCK_B": 32}
+# ~2K elements (BLOCK_P = clamp(2048 // BLOCK_E, 16, 128); E > 128 takes 16 x BLOCK_E). At 4K, 64 x 64 for
+# E = 64 took 180-194 registers on sm_90 (Triton 3.9) and spilled 80-124 B on Triton 3.6; at 32 x 64, 96-152
+# and none. The scan walks up to SCAN_BLOCK_B programs' rows per step, held to a ~4K-element tile. Untuned
+# for speed (no GPU run yet).
+_PLAN_BLOCKS = {"PAIRS_PER_PROG": 1024, "CHUNK_ELEMS": 2048, "MIN_BLOCK_P": 16, "SCAN_BLOCK_B": 32}
 _SCAN_TILE_ELEMS = 4096
 # Interpreter: small blocks so the CPU tests (T * k >= 65) cross program, chunk (E <= 8: 2 chunks of 16 pairs)
 # and scan-step boundaries.

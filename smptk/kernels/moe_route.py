@@ -84,14 +84,18 @@ SCORE_FUNCS = {"softmax": 0, "sigmoid": 1}
 
 # ROWS_PER_PROG tokens per program bound the partial rows to T/256 x E (256 KB at T = 64K, E = 256) and
 # leave 256 programs (~2 waves of 132 SMs) at that T. Sub-blocks of BLOCK_T tokens keep a
-# BLOCK_T x BLOCK_E tile at ~2K fp32 (BLOCK_T = clamp(TILE_ELEMS // BLOCK_E, 1, 32)). Untuned.
-_FWD_BLOCKS = {"ROWS_PER_PROG": 256, "TILE_ELEMS": 2048, "MAX_BLOCK_T": 32, "MAX_STATS_BLOCK_B": 32}
+# BLOCK_T x BLOCK_E tile at ~1K fp32 (BLOCK_T = clamp(TILE_ELEMS // BLOCK_E, 1, 32)): at 2K, 8 x 256 for
+# DeepSeek-V3's E = 256 with fp32 logits spilled 12 B on sm_80 (Triton 3.9); at 4 x 256, 106-128 registers
+# and no spill on sm_80 or sm_90, Triton 3.6 or 3.9. Untuned for speed.
+_FWD_BLOCKS = {"ROWS_PER_PROG": 256, "TILE_ELEMS": 1024, "MAX_BLOCK_T": 32, "MAX_STATS_BLOCK_B": 32}
 # Interpreter: programs of 16 tokens in blocks of 8, so CPU tests at T <= 40 cross both boundaries.
 _FWD_BLOCKS_INTERPRETER = {"ROWS_PER_PROG": 16, "TILE_ELEMS": 64, "MAX_BLOCK_T": 8, "MAX_STATS_BLOCK_B": 2}
 
 
-def _blocks(E: int) -> dict[str, int]:
-    b = _FWD_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _FWD_BLOCKS
+def _blocks(E: int, b: dict[str, int] | None = None) -> dict[str, int]:
+    """The kernels' block sizes for E experts, from ``b`` (default: this process's block table)."""
+    if b is None:
+        b = _FWD_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _FWD_BLOCKS
     BLOCK_E = next_power_of_2(E)
     # Powers of two no larger than ROWS_PER_PROG (a power of two), so sub-blocks tile a program exactly.
     BLOCK_T = max(1, min(b["TILE_ELEMS"] // BLOCK_E, b["MAX_BLOCK_T"], b["ROWS_PER_PROG"]))
@@ -99,8 +103,9 @@ def _blocks(E: int) -> dict[str, int]:
         "BLOCK_E": BLOCK_E,
         "BLOCK_T": BLOCK_T,
         "ROWS_PER_PROG": b["ROWS_PER_PROG"],
-        # The stats kernel's [BLOCK_B, BLOCK_E] tiles: at most 4K elements.
-        "STATS_BLOCK_B": max(1, min(4096 // BLOCK_E, b["MAX_STATS_BLOCK_B"])),
+        # The stats kernel's [BLOCK_B, BLOCK_E] tiles: TILE_ELEMS too. At 4K (16 x 256 for E = 256), Triton
+        # 3.6 spilled 8 B on sm_90; at 8 x 256 and 4 x 256, neither version does.
+        "STATS_BLOCK_B": max(1, min(b["TILE_ELEMS"] // BLOCK_E, b["MAX_STATS_BLOCK_B"])),
     }
 
 
