@@ -40,8 +40,9 @@ budget and how much it slows a GEMM sharing the GPU; they are not multi-GPU meas
     2. Each concurrent round (pedantic ``setup``): flush L2 on the main stream; the side stream waits for
        the flush, sleeps ``S_side = 2 h N + 300 us`` (so that all N calls are queued before the first
        starts, and none waits on the host), then runs ``N = ceil((COVER_FACTOR x GEMM alone + 100 us) /
-       t_c) + 1`` collective calls back to back, an event after each. The main stream sleeps
-       ``S_side + 100 us``, so the GEMM (the timed target) starts 100 us after the collectives.
+       t_c) + 1`` collective calls back to back, an event after each. The main stream waits until the
+       side stream begins its sleep, then sleeps ``S_side + 100 us``, so the GEMM (the timed target)
+       starts at least 100 us after the collectives, however late the host enqueued the side's work.
     3. After each round (read at the next round's setup, and after the last), its events prove
        coverage: the first call started before the GEMM started, the last ended after the GEMM ended,
        and the host finished enqueuing before the side sleep ended (so no gaps between calls). A timed
@@ -439,15 +440,22 @@ class Overlap:
     def setup(self) -> None:
         self.finish()  # the previous round's events, read here rather than in a pedantic teardown
         main = torch.cuda.current_stream()
-        ev = {k: torch.cuda.Event(enable_timing=True) for k in ("ref", "flushed", "side_start", "g0", "g1")}
+        names = ("ref", "flushed", "side_begin", "side_start", "g0", "g1")
+        ev = {k: torch.cuda.Event(enable_timing=True) for k in names}
         ev["ref"].record(main)
         self.l2_flusher.flush()
         ev["flushed"].record(main)
-        _sleep(self.side_sleep_s + LEAD_S)  # main: the GEMM starts LEAD_S after the collectives
         t0 = time.perf_counter()
         with torch.cuda.stream(self.side):
             self.side.wait_event(ev["flushed"])
+            ev["side_begin"].record(self.side)
             _sleep(self.side_sleep_s)  # the side stream idles until every call below is queued
+        # Main's sleep starts no earlier than the side's (it waits for side_begin), so the GEMM starts at
+        # least LEAD_S after the collectives however late the host enqueued the side's sleep. (Started at
+        # the flush instead, an H100 run had the side stream start 0.8 ms after the GEMM.)
+        main.wait_event(ev["side_begin"])
+        _sleep(self.side_sleep_s + LEAD_S)
+        with torch.cuda.stream(self.side):
             ev["side_start"].record(self.side)
             ends = []
             for _ in range(self.calls):
@@ -485,6 +493,7 @@ class Overlap:
                 "covered": t["side_start"] <= t["g0"] and ends[-1] >= t["g1"]
                 and p["enqueue_s"] < self.side_sleep_s,
                 "lead_s": t["g0"] - t["side_start"],
+                "side_begin_after_flush_s": t["side_begin"] - t["flushed"],
                 "tail_s": ends[-1] - t["g1"],
                 "enqueue_s": p["enqueue_s"],
                 "inside_calls": len(inside),
