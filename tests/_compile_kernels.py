@@ -525,8 +525,7 @@ def _dispatch_variants(arch: int, plan: dict, scan_tile: int, rows: dict, full: 
     # argument is C with a capacity factor, P without one (i64 with i64 pairs).
     def plan_sizes(E, k, capacity, big):
         P = (_BIG_T if big else _RT) * k
-        BLOCK_E = _pow2(E)
-        BLOCK_P = min(max(plan["CHUNK_ELEMS"] // BLOCK_E, plan["MIN_BLOCK_P"]), 128, plan["PAIRS_PER_PROG"])
+        BLOCK_E, BLOCK_P = importlib.import_module("smptk.kernels.moe_dispatch")._chunk_blocks(E, plan)
         cap = _cdiv(P * _CAPACITY[0], E * _CAPACITY[1]) if capacity else P
         chunk = dict(BLOCK_P=BLOCK_P, BLOCK_E=BLOCK_E, PAIRS_PER_PROG=plan["PAIRS_PER_PROG"])
         return P, cap, BLOCK_E, chunk

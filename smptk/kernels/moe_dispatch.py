@@ -120,6 +120,14 @@ def _plan_blocks() -> dict[str, int]:
     return _PLAN_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _PLAN_BLOCKS
 
 
+def _chunk_blocks(E: int, blocks: dict[str, int]) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_P) of the plan kernels for E experts under the block table ``blocks``."""
+    BLOCK_E = next_power_of_2(E)
+    # Powers of two no larger than PAIRS_PER_PROG (a power of two), so chunks tile a program exactly.
+    BLOCK_P = min(max(blocks["CHUNK_ELEMS"] // BLOCK_E, blocks["MIN_BLOCK_P"]), 128, blocks["PAIRS_PER_PROG"])
+    return BLOCK_E, BLOCK_P
+
+
 def _row_blocks() -> dict[str, int]:
     return _ROW_BLOCKS_INTERPRETER if runtime.interpreter_enabled() else _ROW_BLOCKS
 
@@ -192,9 +200,7 @@ def dispatch_plan(expert_ids: torch.Tensor, num_experts: int, capacity: int | No
     P = T * k
     device = expert_ids.device
     blocks = _plan_blocks()
-    BLOCK_E = next_power_of_2(E)
-    # Powers of two no larger than PAIRS_PER_PROG (a power of two), so chunks tile a program exactly.
-    BLOCK_P = min(max(blocks["CHUNK_ELEMS"] // BLOCK_E, blocks["MIN_BLOCK_P"]), 128, blocks["PAIRS_PER_PROG"])
+    BLOCK_E, BLOCK_P = _chunk_blocks(E, blocks)
     num_progs = cdiv(P, blocks["PAIRS_PER_PROG"])
     cap = P if capacity is None else capacity
     hist = new_index_buffer((num_progs, E), torch.int32, device)
