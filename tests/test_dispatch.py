@@ -5,6 +5,9 @@
 - Under FakeTensorMode the dense kernels propagate shapes through the ops' fake implementations, launching
   nothing (the grouped ones read their CPU offsets' values first, which a fake tensor does not have).
 - ``dispatcher_op`` itself: the function runs outside any mode either way, and the op joins ``OPS``.
+- Second derivatives: the Triton path's backward raises when asked to build a graph (``create_graph=True``)
+  instead of dropping or miscomputing the second-order term (a gradient penalty through ``fused_linear``
+  used to lose it silently, and ``swiglu``'s came out wrong).
 Selective checkpointing, the reason for all this, is tested in tests/test_checkpointing.py (kernels) and in
 the multi-rank jobs of tests/test_comm_functional.py and tests/test_fused_tp.py (collectives).
 """
@@ -96,6 +99,18 @@ def test_fake_tensors_get_shapes_without_a_launch(name: str, monkeypatch: pytest
     with FakeTensorMode() as fake:
         out = fn(*[fake.from_tensor(t) for t in inputs])
     assert out.shape == want
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_second_derivatives_raise(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_unless_triton_on_cpu(monkeypatch)
+    _, fn, inputs = _calls()[name]
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    with pytest.raises(RuntimeError, match=rf"^{name}: no second derivative .*SMPTK_KERNELS=torch"):
+        torch.autograd.grad(out.sum(), leaves[0], create_graph=True)  # a gradient penalty's first step
+    (gx,) = torch.autograd.grad(fn(*leaves).sum(), leaves[0])  # without a graph: as before
+    assert not gx.requires_grad and gx.shape == leaves[0].shape
 
 
 def test_dispatcher_op_registers_its_function() -> None:

@@ -45,7 +45,7 @@ fallback and ``max_sms`` apply, and :func:`smptk.comm.last_path` names the path 
 run (forward or backward). Inputs need not be contiguous: the op moves ``dim`` to the front, makes the
 tensor contiguous, runs the collective and moves the dimension back; outputs are contiguous. All
 ranks must call with the same shapes apart from ``d`` where the op allows it (all_to_all's rows).
-Backward is differentiable once (a second derivative raises).
+Backward is differentiable once: a backward with ``create_graph=True`` (for a second derivative) raises.
 
 Example (every rank of a 4-rank job, a ``(2, 2)`` mesh named ``("dp", "tp")``)::
 
@@ -63,11 +63,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from smptk.comm import collectives
-from smptk.kernels._dispatch import dispatcher_op
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -242,7 +241,7 @@ class _AllGather(torch.autograd.Function):
         return _all_gather_fwd(x, group.group_name, dim, max_sms)
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("all_gather")
     def backward(ctx, g):
         return (
             _back(_scatter_front(_front(g, ctx.dim), ctx.group, "sum", ctx.max_sms), ctx.dim),
@@ -262,7 +261,7 @@ class _ReduceScatter(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("reduce_scatter")
     def backward(ctx, g):
         group, dim, op, max_sms = ctx.group, ctx.dim, ctx.op, ctx.max_sms
         world = dist.get_world_size(group)
@@ -295,7 +294,7 @@ class _AllReduce(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("all_reduce")
     def backward(ctx, g):
         group, op, max_sms = ctx.group, ctx.op, ctx.max_sms
         if op in ("sum", "avg"):
@@ -314,7 +313,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_fwd(x, group.group_name, out_splits, in_splits, max_sms, agreed_max_split)
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("all_to_all")
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
         rows = g.shape[0] if in_splits is None else sum(in_splits)
@@ -338,7 +337,7 @@ class _CopyToGroup(torch.autograd.Function):
         return x
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("copy_to_group")
     def backward(ctx, g):
         return _all_reduced(g, ctx.group, "sum", ctx.max_sms), None, None
 
@@ -349,7 +348,7 @@ class _ReduceFromGroup(torch.autograd.Function):
         return _all_reduce_fwd(x, group.group_name, "sum", max_sms)
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("reduce_from_group")
     def backward(ctx, g):
         return g, None, None
 

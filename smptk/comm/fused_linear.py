@@ -52,7 +52,7 @@ from smptk.comm import functional
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import check_activation, check_float_tensor, check_same, check_weight
-from smptk.kernels._dispatch import dispatcher_op, none_if_empty
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 _gc = kernel_module("smptk.kernels._gemm_comm")
@@ -197,6 +197,7 @@ class _AllGatherLinear(torch.autograd.Function):
         return out, gathered
 
     @staticmethod
+    @first_derivative_only("all_gather_linear")
     def backward(ctx, dy, _dgathered):
         x_block, w, z = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -297,6 +298,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_derivative_only("linear_reduce_scatter")
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]

@@ -65,6 +65,42 @@ def dispatcher_op(name: str, *, fake: Callable) -> Callable[[Callable], Callable
     return register
 
 
+def first_derivative_only(name: str, torch_path: bool = False) -> Callable[[Callable], Callable]:
+    """Decorates an autograd Function's ``backward`` that runs kernels autograd cannot see into: asked to
+    build a graph of the gradient (``create_graph=True``, for a second derivative such as a gradient
+    penalty), it raises, naming the op, instead of returning gradients whose own derivatives would be
+    missing. Torch's ``once_differentiable`` defers its error to a node that ``torch.autograd.grad(loss,
+    params)`` may never visit, which drops the second-order term silently; this check cannot be skipped.
+    ``torch_path``: the op has a PyTorch path (``SMPTK_KERNELS=torch``), which the message then suggests.
+
+    Example::
+
+        >>> class Double(torch.autograd.Function):
+        ...     forward = staticmethod(lambda ctx, x: x * 2)
+        ...     backward = staticmethod(first_derivative_only("double")(lambda ctx, g: g * 2))
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> torch.autograd.grad(Double.apply(x).sum(), x)[0]
+        tensor([2., 2.])
+        >>> torch.autograd.grad(Double.apply(x).sum(), x, create_graph=True)
+        Traceback (most recent call last):
+        RuntimeError: double: no second derivative (a backward with create_graph=True asked for one)
+    """
+
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():  # the engine runs backward with grad mode = create_graph
+                raise RuntimeError(
+                    f"{name}: no second derivative (a backward with create_graph=True asked for one)"
+                    + ("; SMPTK_KERNELS=torch runs it with PyTorch ops, which have one" if torch_path else "")
+                )
+            return backward(ctx, *grads)
+
+        return checked
+
+    return decorate
+
+
 def none_if_empty(t: torch.Tensor, made: bool) -> torch.Tensor | None:
     """An op's optional output back to None where the forward did not make it (``made`` false)."""
     return t if made else None

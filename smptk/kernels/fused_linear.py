@@ -46,7 +46,7 @@ from smptk.kernels._checks import (
     check_same,
     check_weight,
 )
-from smptk.kernels._dispatch import dispatcher_op, none_if_empty
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -112,6 +112,7 @@ class FusedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("fused_linear", torch_path=True)
     def backward(ctx, dy_MN):
         x_MK, w_NK, z = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])

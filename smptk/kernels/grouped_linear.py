@@ -72,7 +72,7 @@ from smptk.kernels._checks import (
     check_input,
     check_same,
 )
-from smptk.kernels._dispatch import dispatcher_op, none_if_empty
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -139,6 +139,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("grouped_linear", torch_path=True)
     def backward(ctx, dy_TN):
         x_TK, w_ENK, offsets, z = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
@@ -170,6 +171,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("grouped_swiglu", torch_path=True)
     def backward(ctx, dy_TN):
         x_TK, wg_ENK, wu_ENK, offsets, h = ctx.saved_tensors
         need_dx, need_dwg, need_dwu = ctx.needs_input_grad[:3]

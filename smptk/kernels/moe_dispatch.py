@@ -93,6 +93,7 @@ import torch
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer, new_index_buffer
 from smptk.kernels._checks import check_float_tensor
+from smptk.kernels._dispatch import first_derivative_only
 from smptk.kernels._triton import cdiv, kernel_module, next_power_of_2
 
 # The @triton.jit kernels, imported (with triton) on the first Triton-path call: see smptk.kernels._triton.
@@ -375,6 +376,7 @@ class MoEDispatchFunction(torch.autograd.Function):
         return gather_rows(x_TH, src_token_R)
 
     @staticmethod
+    @first_derivative_only("moe_dispatch", torch_path=True)
     def backward(ctx, dxg_RH):
         (dest_TK,) = ctx.saved_tensors
         return gather_sum(dxg_RH, dest_TK, None), None, None
@@ -389,6 +391,7 @@ class MoECombineFunction(torch.autograd.Function):
         return gather_sum(y_RH, dest_TK, w_TK)
 
     @staticmethod
+    @first_derivative_only("moe_combine", torch_path=True)
     def backward(ctx, dout_TH):
         y_RH, w_TK, dest_TK, src_pair_R = ctx.saved_tensors
         dy = combine_dy(dout_TH, w_TK, src_pair_R, y_RH.dtype) if ctx.needs_input_grad[0] else None

@@ -75,6 +75,7 @@ import torch
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer, new_index_buffer
 from smptk.kernels._checks import check_float_tensor
+from smptk.kernels._dispatch import first_derivative_only
 from smptk.kernels._triton import cdiv, kernel_module, next_power_of_2
 
 # The @triton.jit kernels, imported (with triton) on the first Triton-path call: see smptk.kernels._triton.
@@ -227,6 +228,7 @@ class MoERouteFunction(torch.autograd.Function):
         return weights, ids, counts, aux, z
 
     @staticmethod
+    @first_derivative_only("moe_route", torch_path=True)
     def backward(ctx, dw_TK, _dids, _dcounts, daux, dz):
         logits_TE, ids, counts = ctx.saved_tensors
         dlogits = route_bwd(dw_TK, daux, dz, logits_TE, ids, counts, ctx.score_func, ctx.renormalize)

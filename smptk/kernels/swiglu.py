@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import autocast_inputs, check_input, check_weight
-from smptk.kernels._dispatch import dispatcher_op, none_if_empty
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -103,6 +103,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("swiglu", torch_path=True)
     def backward(ctx, dy_MN):
         x_MK, wg_NK, wu_NK, h = ctx.saved_tensors
         return swiglu_bwd(dy_MN, x_MK, wg_NK, wu_NK, h, tuple(ctx.needs_input_grad))

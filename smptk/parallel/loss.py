@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from smptk import comm
 from smptk.comm.functional import GroupLike, resolve_group
+from smptk.kernels._dispatch import first_derivative_only
 from smptk.parallel.tensor_parallel import _check_index_range
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -68,6 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_derivative_only("vocab_parallel_cross_entropy")
     def backward(ctx, g):
         softmax, idx, in_shard, valid, count = ctx.saved_tensors
         if ctx.reduction == "mean":

@@ -79,7 +79,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -89,7 +88,7 @@ from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
 from smptk.kernels._checks import ACTIVATIONS, autocast_inputs
-from smptk.kernels._dispatch import dispatcher_op
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only
 from smptk.kernels._triton import kernel_module
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
 
@@ -425,7 +424,7 @@ class _RowParallelLinearFunction(torch.autograd.Function):
         return _row_parallel_fwd(x, w, group.group_name, dim, max_sms)
 
     @staticmethod
-    @once_differentiable
+    @first_derivative_only("RowParallelLinear")
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         if ctx.dim >= 0:
