@@ -329,3 +329,31 @@ def test_interpreter_set_after_import_is_a_clear_error():
 def test_interpreter_unset_after_import_runs_torch_on_cpu():
     proc = _run_child(EARLY_THEN_UNSET, interpret=True)
     assert proc.returncode == 0 and "EARLY OK" in proc.stdout, proc.stderr[-4000:]
+
+
+COMPILED_TORCH_PATH = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    import triton  # imported, as on a machine with Triton: the path check then reads what the import found
+    from smptk.kernels import fused_linear, runtime, swiglu
+
+    x, w, wu = torch.randn(5, 12), torch.randn(7, 12), torch.randn(7, 12)
+    assert runtime.select_path(x, w) == "torch"  # CPU without the interpreter
+    f = torch.compile(lambda a, b, c: (fused_linear(a, b, activation="gelu"), swiglu(a, b, c)),
+                      fullgraph=True, backend="eager")
+    y, s = f(x, w, wu)
+    torch.testing.assert_close(y, F.gelu(F.linear(x, w)))
+    torch.testing.assert_close(s, F.silu(F.linear(x, w)) * F.linear(x, wu))
+    print("COMPILED OK")
+    """
+)
+
+
+@pytest.mark.skipif(
+    not runtime.triton_available(), reason="triton is not installed: the check reads its import"
+)
+def test_torch_path_compiles_in_one_graph():
+    """``torch.compile(fullgraph=True)`` traces the path choice: it used to stop at a ``globals()`` call in
+    the Triton availability check (Dynamo cannot trace that builtin) even where the PyTorch path runs."""
+    proc = _run_child(COMPILED_TORCH_PATH, interpret=False)
+    assert proc.returncode == 0 and "COMPILED OK" in proc.stdout, proc.stderr[-4000:]

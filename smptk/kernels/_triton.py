@@ -80,6 +80,8 @@ def next_power_of_2(n: int) -> int:
 
 _LAZY_NAMES = ("triton", "tl", "HAVE_TRITON", "INTERPRETER_AT_IMPORT")
 _load_lock = threading.Lock()
+# What _load found, for the checks that run on every call (a dict, not globals(): torch.compile traces them)
+_LOADED: dict[str, bool] = {}
 
 
 def _load() -> None:
@@ -102,6 +104,7 @@ def _load() -> None:
         if interpreted and settings.interpreter_fast_calls():
             _skip_repatching_in_kernels(tl)
         globals()["INTERPRETER_AT_IMPORT"] = interpreted  # last: marks the load done
+        _LOADED.update(HAVE_TRITON=have, INTERPRETER_AT_IMPORT=interpreted)
 
 
 def _library_interpreted(tl: Any) -> bool:
@@ -197,18 +200,18 @@ def _findable() -> bool:
 def available() -> bool:
     """True when the ``triton`` package imports here; asks the import system where it is, without importing
     it (after the import, whether it worked)."""
-    loaded = globals().get("HAVE_TRITON")
+    loaded = _LOADED.get("HAVE_TRITON")
     return _findable() if loaded is None else loaded
 
 
 def interpreter_at_import() -> bool | None:
     """:data:`INTERPRETER_AT_IMPORT`; None while triton is not imported (then nothing is built yet). Imports
     nothing: once other code has imported triton, this reads the state it was imported in."""
-    if "INTERPRETER_AT_IMPORT" not in globals():
+    if "INTERPRETER_AT_IMPORT" not in _LOADED:
         if "triton" not in sys.modules:
             return None
         _load()
-    return globals()["INTERPRETER_AT_IMPORT"]
+    return _LOADED["INTERPRETER_AT_IMPORT"]
 
 
 def _torch_alloc(size: int, alignment: int, stream: int | None) -> Any:
