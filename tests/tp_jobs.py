@@ -573,9 +573,39 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
         ("style module", TypeError, ("nn.Linear", "Embedding"),
          lambda: SmptkColwiseParallel()._apply(nn.Embedding(4, 4), m)),
         ("DTensor placement", ValueError, ("x", "Shard(dim=1)", "Replicate"), lambda: col(sharded)),
+        ("column float64", TypeError, ("dtype", "float64"),
+         lambda: ColumnParallelLinear(5, T, mesh=m, dtype=torch.float64)),
+        ("row float64", TypeError, ("dtype", "float64"),
+         lambda: RowParallelLinear.from_linear(nn.Linear(T, 5).double(), mesh=m)),
     ]  # fmt: skip
     for label, exc, words, call in cases:
         _raises(problems, label, exc, words, call)
+
+    # A frozen module converts to frozen layers (they used to come out trainable).
+    frozen = [nn.Linear(5, T).requires_grad_(False), nn.Linear(T, 5), nn.Embedding(2 * T, 3)]
+    frozen[1].bias.requires_grad_(False)  # frozen in part
+    frozen[2].requires_grad_(False)
+    converted = [
+        ColumnParallelLinear.from_linear(frozen[0], mesh=m),
+        RowParallelLinear.from_linear(frozen[1], mesh=m),
+        VocabParallelEmbedding.from_embedding(frozen[2], mesh=m),
+    ]
+    for source, layer in zip(frozen, converted, strict=True):
+        want = {n: p.requires_grad for n, p in source.named_parameters()}
+        got = {n: p.requires_grad for n, p in layer.named_parameters()}
+        if got != want:
+            problems.append(f"{type(layer).__name__}: requires_grad {got}, the source module's {want}")
+    # Built under the meta device context (delayed initialization), the layers allocate nothing.
+    with torch.device("meta"):
+        metas = [
+            ColumnParallelLinear(5, T, mesh=m),
+            RowParallelLinear(T, 5, mesh=m),
+            VocabParallelEmbedding(2 * T, 3, mesh=m),
+        ]
+    for layer in metas:
+        devices = {p.to_local().device.type for p in layer.parameters()}
+        if devices != {"meta"}:
+            problems.append(f"{type(layer).__name__} under torch.device('meta'): parameters on {devices}")
 
 
 def case_fsdp(ctx: _Ctx, problems: list[str]) -> None:
@@ -632,6 +662,18 @@ def case_fsdp(ctx: _Ctx, problems: list[str]) -> None:
     ref_opt.step()
     for name, ref in refs.items():
         _close(problems, f"fsdp step {name}", params[name].full_tensor(), ref)
+
+    # A layer of the root's unit called on its own: FSDP2 has not gathered its parameters (it used to compute
+    # with this rank's piece of them: silently wrong, or an IndexError in an embedding).
+    root_only = MLP()
+    fully_shard(root_only, mesh=fsdp_mesh)
+    root_only.to_empty(device="cpu")
+    words = ("ColumnParallelLinear.weight_gate", "dp_shard", "not gathered", "root")
+    _raises(problems, "submodule of a root unit", RuntimeError, words, lambda: root_only.up(xs[dpr]))
+    try:
+        root_only(xs[dpr])  # through the root: gathered
+    except Exception as e:
+        problems.append(f"the root unit's forward: {type(e).__name__}: {e}")
 
 
 CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {

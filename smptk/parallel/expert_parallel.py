@@ -189,6 +189,7 @@ def shard_experts(
         w = getattr(experts, name)
         if w.is_meta and device is not None:  # allocate this rank's shard only, uninitialized
             param = _sharded_param(tuple(w.shape), Shard(0), mesh, torch.device(device), w.dtype)
+            param.requires_grad_(w.requires_grad)
         else:
             param = _shard_of(w, Shard(0), mesh, src_data_rank)
         setattr(experts, name, param)

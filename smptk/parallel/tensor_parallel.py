@@ -87,7 +87,7 @@ from smptk.comm import collectives as _coll
 from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
-from smptk.kernels._checks import ACTIVATIONS, autocast_inputs
+from smptk.kernels._checks import ACTIVATIONS, SUPPORTED_DTYPES, autocast_inputs
 from smptk.kernels._dispatch import dispatcher_op, first_derivative_only
 from smptk.kernels._triton import kernel_module
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
@@ -147,9 +147,12 @@ def _check_sequence_dim(value: object) -> int:
 
 
 def _param_device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
-    """``device``, or the mesh's device (the current CUDA device for a CUDA mesh)."""
+    """``device``; else "meta" inside ``with torch.device("meta")`` (delayed initialization), else the mesh's
+    device (the current CUDA device for a CUDA mesh)."""
     if device is not None:
         return torch.device(device)
+    if torch.get_default_device().type == "meta":
+        return torch.device("meta")
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
@@ -170,13 +173,25 @@ def _sharded_param(
     return nn.Parameter(dt)
 
 
+def _linear_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    """The linears' parameter dtype, ``dtype`` or torch's default: one smptk's GEMMs take (checked here, not
+    at the first forward)."""
+    dtype = dtype or torch.get_default_dtype()
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"dtype: {dtype} is not supported by smptk's linears; expected float32, float16 or bfloat16"
+        )
+    return dtype
+
+
 def _shard_of(full: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None) -> nn.Parameter:
-    """``full`` (the same on every rank, or taken from ``src_data_rank``) as a DTensor parameter."""
+    """``full`` (the same on every rank, or taken from ``src_data_rank``) as a DTensor parameter; a frozen
+    ``full`` (``requires_grad`` False) gives a frozen parameter."""
     if full.is_meta:
         param = _sharded_param(tuple(full.shape), placement, mesh, full.device, full.dtype)
     else:
         param = nn.Parameter(distribute_tensor(full.detach(), mesh, [placement], src_data_rank=src_data_rank))
-    return param
+    return param.requires_grad_(full.requires_grad)
 
 
 def _from_linear(cls, linear, w_placement, b_placement, mesh, src_data_rank, options):
@@ -217,6 +232,23 @@ def _local_input(x: object, mesh: DeviceMesh, name: str, shard_dim: int | None =
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or DTensor, got {type(x).__name__}")
     return x
+
+
+def _local_param(layer: nn.Module, name: str) -> torch.Tensor | None:
+    """``layer.<name>`` (a DTensor on the layer's ``tp`` mesh, or None) as this rank's shard. Raises where it
+    is on another mesh: FSDP2's sharded parameter, which its unit gathers only inside the unit's forward, so
+    a submodule called directly (not through the module FSDP2 wrapped) would compute with a piece of it."""
+    p = getattr(layer, name)
+    if p is None:
+        return None
+    if p.device_mesh is not layer.mesh and p.device_mesh != layer.mesh:
+        raise RuntimeError(
+            f"{type(layer).__name__}.{name}: a DTensor on mesh dims {p.device_mesh.mesh_dim_names}, not this "
+            f"layer's {layer.mesh.mesh_dim_names}: FSDP2's sharded parameter, not gathered. Call the module "
+            "that apply_data_parallel returned (the root), not its submodules: its units gather their "
+            "parameters in their own forwards, the root's (embeddings, heads, norms) in the root's."
+        )
+    return p.to_local()
 
 
 def _seq_dim(sequence_dim: int, ndim: int, name: str, shape: tuple) -> int:
@@ -314,7 +346,7 @@ class ColumnParallelLinear(_TensorParallelLayer):
         self.activation = activation
         self.gather_output = _check_bool("gather_output", gather_output)
         device = _param_device(self.mesh, device)
-        dtype = dtype or torch.get_default_dtype()
+        dtype = _linear_dtype(dtype)
         self._weights = ("weight_gate", "weight_up") if swiglu else ("weight",)
         for name in self._weights:
             self.register_parameter(
@@ -345,7 +377,7 @@ class ColumnParallelLinear(_TensorParallelLayer):
             raise ValueError(
                 f"x: expected [..., {self.in_features}] (in_features), got shape {tuple(x.shape)}"
             )
-        weights = [getattr(self, n).to_local() for n in self._weights]
+        weights = [_local_param(self, n) for n in self._weights]
         keep = contextlib.nullcontext()
         if self.sequence_parallel:
             d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
@@ -360,7 +392,7 @@ class ColumnParallelLinear(_TensorParallelLayer):
             if self.swiglu:
                 y = swiglu_kernel(x, *weights)
             else:
-                b = self.bias.to_local() if self.bias is not None else None
+                b = _local_param(self, "bias")
                 y = fused_linear(x, weights[0], b, activation=self.activation)
         if self.gather_output:
             # Zero-pad this rank's features into place and sum: the gather, with a backward that keeps
@@ -374,7 +406,7 @@ class ColumnParallelLinear(_TensorParallelLayer):
     def _fused_forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Sequence dim 0: the ranks' blocks stack as rows, so :func:`all_gather_linear` gathers them inside
         the GEMM (its fallback, where the heap does not apply, is the unfused pair)."""
-        b = self.bias.to_local() if self.bias is not None else None
+        b = _local_param(self, "bias")
         rows = x.reshape(-1, x.shape[-1])
         y, path = all_gather_linear(rows, w, b, group=self.group, activation=self.activation)
         self.last_kernel_path = runtime.select_path(rows, w)
@@ -479,7 +511,7 @@ class RowParallelLinear(_TensorParallelLayer):
         )
         self.input_is_parallel = _check_bool("input_is_parallel", input_is_parallel)
         device = _param_device(self.mesh, device)
-        dtype = dtype or torch.get_default_dtype()
+        dtype = _linear_dtype(dtype)
         self.weight = _sharded_param((out_features, in_features), Shard(1), self.mesh, device, dtype)
         b = _sharded_param((out_features,), Replicate(), self.mesh, device, dtype) if bias else None
         self.register_parameter("bias", b)
@@ -515,7 +547,7 @@ class RowParallelLinear(_TensorParallelLayer):
                     f"got shape {tuple(x.shape)}"
                 )
             x = cf.copy_to_group(x, self.group).narrow(-1, self.tp_rank * self.in_local, self.in_local)
-        w = self.weight.to_local()
+        w = _local_param(self, "weight")
         self.last_kernel_path = runtime.select_path(x, w)
         if self.sequence_parallel:
             d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
@@ -525,7 +557,7 @@ class RowParallelLinear(_TensorParallelLayer):
         x, w = autocast_inputs(x, w)  # as fused_linear would, so backward sees what the GEMM read
         y = _RowParallelLinearFunction.apply(x, w, self.group, d if self.sequence_parallel else -1, None)
         if self.bias is not None:
-            b = self.bias.to_local()
+            b = _local_param(self, "bias")
             if self.sequence_parallel:  # each rank's bias gradient covers its tokens only: sum them
                 b = cf.copy_to_group(b, self.group)
             y = y + b
@@ -536,7 +568,7 @@ class RowParallelLinear(_TensorParallelLayer):
         """Sequence dim 0: this rank's sequence block is a block of rows, so :func:`linear_reduce_scatter`
         reduce-scatters inside the GEMM (its fallback, where the heap does not apply, is the unfused
         pair)."""
-        b = self.bias.to_local() if self.bias is not None else None
+        b = _local_param(self, "bias")
         rows = x.reshape(-1, x.shape[-1])
         y, path = linear_reduce_scatter(rows, w, b, group=self.group)
         self.last_path = "fused" if path == "fused" else "unfused"
@@ -654,7 +686,7 @@ class VocabParallelEmbedding(_TensorParallelLayer):
             _check_seq_divisible("ids", ids.shape[d], d, tuple(ids.shape), self.tp_size)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.vocab_local)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        y = F.embedding(local_ids, self.weight.to_local(), self._local_padding_idx())
+        y = F.embedding(local_ids, _local_param(self, "weight"), self._local_padding_idx())
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             y = cf.reduce_scatter(y, self.group, dim=d)
