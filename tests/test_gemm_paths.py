@@ -145,3 +145,39 @@ def test_auto_never_picks_tma_off_hopper(monkeypatch, decisions):
     check_fused_linear(*linear_inputs(x_shape, N, dtype=dtype, device=device, bias=False), None)
     hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     assert decisions == [hopper] * 3, decisions
+
+
+@pytest.mark.parametrize(
+    ("version", "drops"), [("3.6.0", True), ("3.9.0", False), ("3.10.1+git0a1b2c3", False)]
+)
+def test_tma_configs_follow_the_installed_triton(monkeypatch, version: str, drops: bool):
+    """Before Triton 3.9 a device-side tensor descriptor is filled by every thread, and the grouped forward's
+    per-tile ones cost it its 256-wide tiles when it stores the pre-activation (they spilled on sm_90 with
+    Triton 3.6): the launcher leaves them out there, and the compile table (``specializations``) lists
+    exactly the configs the launcher can pick, per op kind and epilogue."""
+    monkeypatch.setattr(_gemm.triton, "__version__", version)
+    monkeypatch.setattr(_gemm.runtime, "interpreter_enabled", lambda: False)  # the GPU's config lists
+    wide = {c for c in _gemm._TMA_CONFIGS if max(c.block_m, c.block_n) == 256}
+    assert len(wide) == 2, "the test expects the 128x256 and 256x128 tiles"
+    grouped_z = set(_gemm._configs(True, _gemm.DUAL_NONE, torch.bfloat16, _gemm.GROUP_ROWS, True))
+    assert grouped_z == set(_gemm._TMA_CONFIGS) - wide if drops else set(_gemm._TMA_CONFIGS)
+    for grouping, store_z in ((_gemm.GROUP_ROWS, False), (_gemm.GROUP_NONE, True), (_gemm.GROUP_NONE, False)):
+        assert _gemm._configs(True, _gemm.DUAL_NONE, torch.bfloat16, grouping, store_z) == _gemm._TMA_CONFIGS
+    assert (
+        _gemm._configs(False, _gemm.DUAL_NONE, torch.bfloat16, _gemm.GROUP_ROWS, True) == _gemm._PTR_CONFIGS
+    )
+    for full in (False, True):
+        for s in _gemm.specializations(full=full):
+            c = s.constexprs
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.dtype, torch.float32)
+            launcher = _gemm._configs(c["TMA"], c["DUAL"], dtype, c["GROUPING"], c["STORE_Z"])
+            if s.dtype == "fp32":  # the precision follows torch's TF32 flag at launch; the table names it
+                launcher = _gemm._ptr_configs(c["DUAL"], c["PRECISION"])
+            assert s.config in launcher, f"{s.id}: a config the launcher does not pick"
+    grouped_fwd = [
+        s for s in _gemm.specializations(full=True) if s.name.startswith("grouped_fwd-") and s.path == "tma"
+    ]
+    z_tiles = {s.config for s in grouped_fwd if s.constexprs["STORE_Z"]}
+    assert z_tiles.isdisjoint(wide) == drops and z_tiles | wide >= set(_gemm._TMA_CONFIGS)
+    plain_tiles = {s.config for s in grouped_fwd if not s.constexprs["STORE_Z"]}
+    assert plain_tiles == set(_gemm._TMA_CONFIGS), "only the pre-activation store loses tiles"

@@ -95,21 +95,31 @@ def test_kernel_compiles(compile_results: dict[str, dict], variant_id: str) -> N
     _compiled(compile_results, variant_id)
 
 
-# Spills that Triton 3.6, the GPU image's version (``make compat-check`` compiles the quick set with it),
-# leaves in a shipped config where the CI's Triton leaves none: variant id -> the most bytes of spill stores
-# and of spill loads it may have there. A new spill, or more bytes, still fails on 3.6.
+# Spills that Triton 3.6, the GPU image's version (``make compat-check`` compiles with it), leaves in a
+# shipped config where the CI's Triton leaves none: (op kind, tile, pre-activation stored) -> the most bytes
+# of spill stores and of spill loads its variants may have there. A new spill, or more bytes, still fails on
+# 3.6. (The grouped forward's configs that spilled there are not shipped there: ``_gemm._tma_configs``.)
 TRITON_3_6_SPILLS = {
     # 255 registers on 3.6, 184 on 3.9: 3.6 writes the per-expert tensor descriptors from every thread. The
     # spilled values are per tile (its SASS: 4 local stores before the tile loop, 4 loads per tile, none in
-    # the wgmma K loop). What it costs on an H100 is not measured.
-    "gemm-sm90-grouped_swiglu_fwd-tma-bf16-128x128x64-s3-w8-e2": 16,
+    # the wgmma K loop). Kept: it is SwiGLU's largest tile, and the next (128x64) halves it. What the spill
+    # costs on an H100 is not measured.
+    ("grouped_swiglu_fwd", "128x128x64-s3-w8-e2", True): 16,
 }
 _TRITON_3_6 = tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6)
 
 
+def _allowance_key(variant: ck.Variant) -> tuple[str, str, bool]:
+    """A GEMM variant's (op kind, tile, STORE_Z), its id being ``gemm-sm<arch>-<kind>[-<epilogue>]-<path>-
+    <dtype>-<tile>``."""
+    parts = variant.id.split("-")
+    return parts[2], "-".join(parts[-4:]), bool(dict(variant.constexprs).get("STORE_Z"))
+
+
 def test_triton_3_6_spills_name_shipped_variants() -> None:
-    """Every allowance names a variant of the quick set (an allowance outliving its config fails)."""
-    assert set(TRITON_3_6_SPILLS) <= set(SPILL_IDS), sorted(set(TRITON_3_6_SPILLS) - set(SPILL_IDS))
+    """Every allowance names a variant of the table (an allowance outliving its config fails)."""
+    keys = {_allowance_key(VARIANTS[vid]) for vid in SPILL_IDS if VARIANTS[vid].gemm_path}
+    assert set(TRITON_3_6_SPILLS) <= keys, sorted(set(TRITON_3_6_SPILLS) - keys)
 
 
 @pytest.mark.slow
@@ -120,7 +130,8 @@ def test_no_spills(compile_results: dict[str, dict], variant_id: str) -> None:
     r = _compiled(compile_results, variant_id)
     if "ptxas_error" in r:
         pytest.fail(f"{variant_id}: compiled, but no ptxas numbers: {r['ptxas_error']}", pytrace=False)
-    allowed = TRITON_3_6_SPILLS.get(variant_id, 0) if _TRITON_3_6 else 0
+    variant = VARIANTS[variant_id]
+    allowed = TRITON_3_6_SPILLS.get(_allowance_key(variant), 0) if _TRITON_3_6 and variant.gemm_path else 0
     if r["spill_stores"] > allowed or r["spill_loads"] > allowed:
         pytest.fail(
             f"{variant_id} spills on sm_{VARIANTS[variant_id].arch}: {r['spill_stores']} B stores, "

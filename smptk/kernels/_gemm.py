@@ -60,7 +60,6 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -101,9 +100,10 @@ class Config:
 
 
 # TMA path (sm_90, 16-bit). From the H100 probe above; every entry compiles without spills for every
-# epilogue (checked in CI by tests/test_kernels_compile.py). 128x256 needs the halved epilogue to fit
-# 4 stages in shared memory. Two accumulators (DUAL_SWIGLU) double the register tile, so SwiGLU uses the
-# 128-wide tiles. The small tiles serve skinny problems (few rows per expert, small N).
+# epilogue (checked in CI by tests/test_kernels_compile.py) but where ``_tma_configs`` drops it on Triton
+# 3.6. 128x256 needs the halved epilogue to fit 4 stages in shared memory. Two accumulators (DUAL_SWIGLU)
+# double the register tile, so SwiGLU uses the 128-wide tiles. The small tiles serve skinny problems (few
+# rows per expert, small N).
 _TMA_CONFIGS = (
     Config(128, 256, 64, 4, 8, epi_sub=2),
     Config(256, 128, 64, 3, 8, epi_sub=2),
@@ -629,11 +629,39 @@ def _ptr_configs(dual: int, fp32: str | None) -> tuple[Config, ...]:
     return _PTR_SWIGLU_CONFIGS if swiglu else _PTR_CONFIGS
 
 
-def _configs(tma: bool, dual: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Config, ...]:
+def _descriptors_per_thread() -> bool:
+    """Whether the installed Triton fills an on-device tensor descriptor from every thread of a program
+    (before 3.9; 3.9 branches to one warp). Grouped tiles build theirs per tile (see the module docstring),
+    so there they hold registers through the tile: the grouped forward reaches 255 registers at 128x256 and
+    256x128 on Triton 3.6 (sm_90), 183-216 on 3.9."""
+    version = triton.__version__  # None when Triton is missing
+    return version is not None and tuple(int(p) for p in version.split(".")[:2]) < (3, 9)
+
+
+def _tma_configs(dual: int, grouping: int = GROUP_NONE, store_z: bool = False) -> tuple[Config, ...]:
+    """The TMA path's configs for an op kind. Where the descriptors are filled per thread, the grouped
+    forward that stores its pre-activation (training with an activation) drops the 256-wide tiles: there,
+    compiled for sm_90 with Triton 3.6, GELU without bias spilled 28 B (128x256) and 40 B (256x128), and fp16
+    GELU-tanh / SiLU with bias 4 B (256x128); the other epilogues are at 245-255 registers without a spill.
+    It keeps 128x128, the largest tile that does not spill there."""
+    if dual == DUAL_SWIGLU:
+        return _TMA_SWIGLU_CONFIGS
+    if grouping == GROUP_ROWS and store_z and _descriptors_per_thread():
+        return tuple(c for c in _TMA_CONFIGS if max(c.block_m, c.block_n) < 256)
+    return _TMA_CONFIGS
+
+
+def _configs(
+    tma: bool,
+    dual: int,
+    dtype: torch.dtype = torch.bfloat16,
+    grouping: int = GROUP_NONE,
+    store_z: bool = False,
+) -> tuple[Config, ...]:
     if runtime.interpreter_enabled():
         return (_INTERPRETER_CONFIG,)
     if tma:
-        return _TMA_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _TMA_CONFIGS
+        return _tma_configs(dual, grouping, store_z)
     return _ptr_configs(dual, input_precision(dtype) if dtype == torch.float32 else None)
 
 
@@ -722,7 +750,7 @@ class _Launch:
         bias = self.bias if self.bias is not None else c[0]
         rowsum = self.rowsum if self.rowsum is not None else c[0]
         offsets = self.offsets if self.offsets is not None else c
-        configs = _configs(tma, self.dual, a.dtype)
+        configs = _configs(tma, self.dual, a.dtype, self.grouping, self.z is not None)
         E = self.E
 
         def tiles(cfg_m: int, cfg_n: int) -> int:
@@ -1000,34 +1028,36 @@ def specializations(*, full: bool = False) -> Iterator[Specialization]:
     """Every ``_gemm_kernel`` variant the launchers launch on a GPU, for contiguous inputs, dense gradients
     and sizes that are multiples of 16 (other strides and sizes compile other variants of the same code).
 
-    Per op kind, path and shipped config: the heaviest epilogue (the register high-water mark, for the
-    spill check); with ``full`` every epilogue variant. TMA variants are 16-bit (bf16, and fp16 with
-    ``full``); pointer variants bf16, fp32 with TF32 off ("ieee") and on ("tf32", as ``input_precision``
-    reads torch's flag), and fp16 with ``full``.
+    Per op kind, path and shipped config: the heaviest epilogue shipped with that config (the register
+    high-water mark, for the spill check); with ``full`` every epilogue shipped with it. TMA variants are
+    16-bit (bf16, and fp16 with ``full``); pointer variants bf16, fp32 with TF32 off ("ieee") and on
+    ("tf32", as ``input_precision`` reads torch's flag), and fp16 with ``full``.
     """
     tma_dtypes = [("bf16", "tf32"), ("fp16", "tf32")] if full else [("bf16", "tf32")]
     ptr_dtypes = [("bf16", "tf32"), ("fp32", "ieee"), ("fp32", "tf32"), ("fp16", "tf32")][: 4 if full else 3]
     for name, grouping, dual, a_t, b_t, a2_t, b2_t, epilogues in _KINDS:
-        epis = epilogues if full else [_heaviest(epilogues)]
         unit = _unit_ints(grouping, dual, a_t, b_t, a2_t, b2_t)
         for path, dtypes in (("tma", tma_dtypes), ("pointer", ptr_dtypes)):
             tma = path == "tma"
             for dtype, precision in dtypes:
-                if tma:
-                    configs = _TMA_SWIGLU_CONFIGS if dual == DUAL_SWIGLU else _TMA_CONFIGS
+                if tma:  # by STORE_Z, as _configs picks them on a GPU
+                    by_z = {z: _tma_configs(dual, grouping, z) for z in (False, True)}
                 else:
-                    configs = _ptr_configs(dual, precision if dtype == "fp32" else None)
-                for cfg, (act, bias, z, rowsum) in itertools.product(configs, epis):
-                    yield Specialization(
-                        name=name if len(epis) == 1 else f"{name}-a{act}b{int(bias)}z{int(z)}r{int(rowsum)}",
-                        path=path, dtype=dtype, config=cfg, aligned=_aligned_ints(grouping, unit),
-                        constexprs=dict(
-                            GROUPING=grouping, DUAL=dual, ACTIVATION=act, HAS_BIAS=bias, STORE_Z=z,
-                            ROWSUM=rowsum, TMA=tma, A_T=tma and a_t, B_T=tma and b_t, A2_T=tma and a2_t,
-                            B2_T=tma and b2_t, PRECISION=precision, EXPERT_BLOCK=_EXPERT_BLOCK, **cfg.meta(),
-                            **unit,
-                        ),
-                    )  # fmt: skip
+                    ptr = _ptr_configs(dual, precision if dtype == "fp32" else None)
+                    by_z = {False: ptr, True: ptr}
+                for cfg in by_z[False]:  # the largest set: storing z only ever drops configs
+                    epis = [e for e in epilogues if cfg in by_z[e[2]]]
+                    for act, bias, z, rowsum in epis if full else [_heaviest(epis)]:
+                        yield Specialization(
+                            name=f"{name}-a{act}b{int(bias)}z{int(z)}r{int(rowsum)}" if full else name,
+                            path=path, dtype=dtype, config=cfg, aligned=_aligned_ints(grouping, unit),
+                            constexprs=dict(
+                                GROUPING=grouping, DUAL=dual, ACTIVATION=act, HAS_BIAS=bias, STORE_Z=z,
+                                ROWSUM=rowsum, TMA=tma, A_T=tma and a_t, B_T=tma and b_t, A2_T=tma and a2_t,
+                                B2_T=tma and b2_t, PRECISION=precision, EXPERT_BLOCK=_EXPERT_BLOCK,
+                                **cfg.meta(), **unit,
+                            ),
+                        )  # fmt: skip
 
 
 __all__ = [

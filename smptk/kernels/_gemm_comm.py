@@ -463,7 +463,7 @@ def specializations(*, full: bool = False) -> list[Specialization]:
     ):
         tma = path == "tma"
         if tma:
-            configs = _gemm._TMA_CONFIGS
+            configs = _gemm._tma_configs(DUAL_NONE)
         else:
             configs = _gemm._ptr_configs(DUAL_NONE, precision if dtype == "fp32" else None)
         for cfg in configs if full else configs[:1]:
