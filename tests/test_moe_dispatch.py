@@ -29,6 +29,7 @@ from smptk.kernels.moe_dispatch import MoEDispatchPlan, moe_combine, moe_dispatc
 from smptk.kernels.moe_route import moe_route
 from smptk.testing import assert_close
 from smptk.testing.moe import (
+    moe_capacity_reference,
     moe_combine_reference,
     moe_dispatch_reference,
     moe_route_reference,
@@ -280,6 +281,19 @@ def test_noncontiguous_inputs(monkeypatch, path):
     out.sum().backward()  # an expanded gradient
     (ref_dy,) = torch.autograd.grad(ref.sum(), y_leaf)
     assert_close(y.grad, ref_dy, dtype=torch.float16, reduction_len=1, name="dy")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_capacity_of_a_decimal_factor(monkeypatch, path):
+    """``capacity_factor=0.8`` is 4/5 as written: 0.8 * 300 * 2 / 5 = 96 pairs per expert. The double
+    nearest 0.8 is slightly above it, and C used to come out 97 (an expert kept one pair too many)."""
+    use_path(monkeypatch, path, "cpu")
+    T, E, k = 300, 5, 2
+    assert md.capacity_of(0.8, T, k, E) == moe_capacity_reference(0.8, T, k, E) == 96
+    assert md.capacity_of(1.1, 1000, 2, 8) == 275 and md.capacity_of(3, 5, 1, 3) == 5
+    ids = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], dim=1)  # 120 pairs per expert
+    _, plan, _ = check_dispatch_combine(torch.randn(T, 4), ids, E, capacity_factor=0.8)
+    assert plan.capacity == 96 and plan.dest.ge(0).sum() == E * 96 and plan.num_dropped == T * k - E * 96
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -9,10 +9,10 @@ row order), weights ``[T, k]`` (any float dtype), out ``[T, H]`` in y's dtype.
 
 What it computes. Pairs are grouped by expert **stably**: inside one expert's rows the pairs keep their
 order ``p``, so with a capacity the earliest tokens win. With ``capacity_factor`` each expert keeps at most
-``C = ceil(capacity_factor * T * k / E)`` pairs (exact rational arithmetic on the float given) and drops the
-pairs whose position inside their expert is ``>= C``. Then ``x_grouped[dest[t, j]] = x[t]`` for every kept
-pair, and ``moe_combine`` returns ``out[t] = sum_j weights[t, j] * y[dest[t, j]]`` over the kept pairs (a
-dropped pair contributes nothing; a token with every pair dropped gets a zero row).
+``C = ceil(capacity_factor * T * k / E)`` pairs (exact rational arithmetic on the number as written) and
+drops the pairs whose position inside their expert is ``>= C``. Then ``x_grouped[dest[t, j]] = x[t]`` for
+every kept pair, and ``moe_combine`` returns ``out[t] = sum_j weights[t, j] * y[dest[t, j]]`` over the kept
+pairs (a dropped pair contributes nothing; a token with every pair dropped gets a zero row).
 
 Worked example, 4 tokens, E = 3, k = 2 (p = 2t + j; ``expert_ids`` as :func:`moe_route` returns them)::
 
@@ -170,15 +170,20 @@ class MoEDispatchPlan:
 
 
 def capacity_of(capacity_factor: float | None, num_tokens: int, top_k: int, num_experts: int) -> int | None:
-    """``ceil(capacity_factor * T * k / E)`` in exact rational arithmetic on the float given (no float
-    rounding can push an exact integer up by one); None without a capacity factor.
+    """``ceil(capacity_factor * T * k / E)`` in exact rational arithmetic on the number as written: a float is
+    read as its shortest decimal (``repr``: 0.8 is 4/5, not the double just above it, which made C one too
+    large at 0.8 * 600 * 2 / 5 = 192), so no rounding can push an exact integer up by one; None without a
+    capacity factor.
 
     >>> capacity_of(0.5, 4, 2, 3), capacity_of(1.0, 6, 2, 3), capacity_of(None, 4, 2, 3)
     (2, 4, None)
+    >>> capacity_of(0.8, 600, 2, 5), capacity_of(1.1, 1000, 2, 8), capacity_of(1.25, 4096, 6, 64)
+    (192, 275, 480)
     """
     if capacity_factor is None:
         return None
-    return math.ceil(Fraction(capacity_factor) * num_tokens * top_k / num_experts)
+    exact = Fraction(capacity_factor if isinstance(capacity_factor, int) else repr(float(capacity_factor)))
+    return math.ceil(exact * num_tokens * top_k / num_experts)
 
 
 def _check_ids_result(bad: int, num_experts: int) -> None:

@@ -23,8 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import decimal
 import math
-from fractions import Fraction
 from typing import NamedTuple
 
 import torch
@@ -122,15 +122,17 @@ def moe_route_reference(
 
 
 def moe_capacity_reference(capacity_factor: float | None, T: int, k: int, E: int) -> int | None:
-    """``ceil(capacity_factor * T * k / E)`` on the exact value of the float; None without a factor.
+    """``ceil(capacity_factor * T * k / E)`` on the number as written (a float's shortest decimal, ``str``),
+    in decimal arithmetic; None without a factor.
 
-    >>> moe_capacity_reference(0.5, 4, 2, 3)
-    2
+    >>> moe_capacity_reference(0.5, 4, 2, 3), moe_capacity_reference(0.8, 600, 2, 5)
+    (2, 192)
     """
     if capacity_factor is None:
         return None
-    num = Fraction(capacity_factor) * T * k
-    return math.ceil(num / E)
+    value = capacity_factor if isinstance(capacity_factor, int) else float(capacity_factor)
+    with decimal.localcontext(prec=60):
+        return math.ceil(decimal.Decimal(str(value)) * T * k / E)
 
 
 def moe_dispatch_reference(
