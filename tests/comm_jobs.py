@@ -117,6 +117,32 @@ def case_all_reduce_shape(
     c.guards("result", buf, GUARD, x.numel())
 
 
+def case_nan(c: Case, world: int, rank: int, *, dtype: str) -> None:
+    """max / min propagate NaN from any rank, as torch.amax / amin do (it used to vanish: max(NaN, 1) = 1),
+    on both all-reduce algorithms and in reduce-scatter; ops given as ``dist.ReduceOp`` work as names do."""
+    dt = DTYPES[dtype]
+    n = 3 * world * 4
+    x = torch.arange(n, dtype=torch.float32).remainder(7).sub(3 * rank)
+    x[rank :: 2 * world] = float("nan")  # every rank its own NaNs; odd multiples of world stay numbers
+    x = x.to(dt)
+    gathered = torch.empty(world * n)  # fp32: every rank's values, NaNs included (gloo's max drops some)
+    dist_all_gather(gathered, x.float())
+    gathered = gathered.view(world, n)
+    for op, torch_op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+        expected = gathered.amax(0) if op == "max" else gathered.amin(0)  # NaN wins
+        for alg in ALGORITHMS:
+            y = x.clone()
+            comm.all_reduce(y, op=torch_op, algorithm=alg)
+            c.path(f"{op} {alg}", "symmetric")
+            c.equal(f"{op} {alg}: NaN pattern", y.isnan(), expected.isnan())
+            c.equal(f"{op} {alg}: values", y.float().nan_to_num(), expected.nan_to_num())
+        out = torch.empty(n // world, dtype=dt)
+        comm.reduce_scatter_tensor(out, x, op=torch_op)
+        mine = expected.view(world, -1)[rank]
+        c.equal(f"reduce_scatter {op}: NaN pattern", out.isnan(), mine.isnan())
+        c.equal(f"reduce_scatter {op}: values", out.float().nan_to_num(), mine.nan_to_num())
+
+
 def case_reduce_scatter(c: Case, world: int, rank: int, *, dtype: str, op: str) -> None:
     dt = DTYPES[dtype]
     kind = "int" if op in ("sum", "avg") else "normal"
@@ -780,6 +806,8 @@ def catalog(world: int) -> list[Spec]:
             )
     for dtype, op in reduce_scatters:
         add(f"reduce_scatter-{dtype}-{op}", case_reduce_scatter, dtype=dtype, op=op)
+    for dtype in ("float32", "bfloat16"):
+        add(f"nan-{dtype}", case_nan, dtype=dtype)
     add("reduce_scatter-3x5", case_reduce_scatter_shape, out_shape=(3, 5))
     add("reduce_scatter-stacked-3x5", case_reduce_scatter_shape, out_shape=(3, 5), stacked=True)
     add("reduce_scatter-max_sms3", case_reduce_scatter_shape, out_shape=(301,), max_sms=3)

@@ -89,6 +89,13 @@ def test_all_reduce_shapes_and_max_sms(world: int, cid: str) -> None:
     assert_case(world, cid)
 
 
+@pytest.mark.parametrize(("world", "cid"), cases("nan"))
+def test_max_and_min_propagate_nan(world: int, cid: str) -> None:
+    """A NaN on any rank is every rank's max / min there (torch.amax's rule), all-reduce and reduce-scatter,
+    with the op given as ``dist.ReduceOp``."""
+    assert_case(world, cid)
+
+
 @pytest.mark.parametrize(("world", "cid"), cases("reduce_scatter", "reduce_scatter_shape"))
 def test_reduce_scatter_matches_gloo(world: int, cid: str) -> None:
     assert_case(world, cid)

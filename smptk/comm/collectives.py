@@ -300,10 +300,19 @@ def _max_sms(max_sms: int | None) -> int:
     return p
 
 
+def _op_name(op: object) -> str:
+    """``op`` as its name in ``OPS``: "sum", "avg", "max" or "min", or the ``torch.distributed.ReduceOp``
+    of the same meaning (torch's call shapes take those)."""
+    name = op
+    if isinstance(op, (dist.ReduceOp, type(dist.ReduceOp.SUM))):  # not an int: RedOpType.MIN == 3
+        name = next((n for n, torch_op in _TORCH_OPS.items() if op == torch_op), op)
+    if not isinstance(name, str) or name not in OPS:
+        raise ValueError(f"op: expected one of {tuple(OPS)} or the dist.ReduceOp of one, got {op!r}")
+    return name
+
+
 def _op_code(op: str) -> int:
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {tuple(OPS)}, got {op!r}")
-    return OPS[op]
+    return OPS[_op_name(op)]
 
 
 def _kernels_refuse(dtype: torch.dtype, op: str | None = None, name: str = "input") -> Exception | None:
@@ -624,7 +633,7 @@ def all_reduce(
 
     Args:
         tensor: contiguous; fp32/bf16/fp16/int32 take the symmetric path (fp32 accumulation for 16-bit).
-        op: "sum", "avg", "max" or "min".
+        op: "sum", "avg", "max" or "min" (or ``dist.ReduceOp.SUM`` ... ``MIN``).
         group: process group (default: the world).
         max_sms: programs (SMs) the kernel occupies, 1..256 (default: :func:`configure`'s, 8).
         algorithm: "auto", "one_shot" or "two_shot".
@@ -636,6 +645,7 @@ def all_reduce(
     """
     g = _group(group)
     _check_tensor("tensor", tensor)
+    op = _op_name(op)
     code = _op_code(op)
     programs = _max_sms(max_sms)
     if algorithm not in ALGORITHMS:
@@ -783,6 +793,7 @@ def reduce_scatter_tensor(
             f"input: expected world_size * output.numel() = {world} * {output.numel()} elements, "
             f"got {input.numel()} (shape {tuple(input.shape)})"
         )
+    op = _op_name(op)
     code = _op_code(op)
     programs = _max_sms(max_sms)
     heap = _heap(g, input)

@@ -134,9 +134,7 @@ def _check_dim(x: torch.Tensor, dim: object) -> int:
 
 
 def _check_op(op: object) -> str:
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
-    return op
+    return collectives._op_name(op)
 
 
 def _front(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -500,10 +500,12 @@ def _load_region(data_W, q, base, i, mask, DTYPE: tl.constexpr):
 
 @triton.jit
 def _combine(acc, v, OP: tl.constexpr):
+    # max / min propagate NaN, as torch.amax does (a NaN on any rank is every rank's result: a max-reduced
+    # overflow or NaN check must see it); ints ignore the flag
     if OP == 2:
-        out = tl.maximum(acc, v)
+        out = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
     elif OP == 3:
-        out = tl.minimum(acc, v)
+        out = tl.minimum(acc, v, propagate_nan=tl.PropagateNan.ALL)
     else:
         out = acc + v
     return out
