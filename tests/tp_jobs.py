@@ -329,6 +329,16 @@ def case_cross_entropy(ctx: _Ctx, problems: list[str]) -> None:
         (loss * up).sum().backward()
         _close(problems, f"{label} loss", loss, ref)
         _close(problems, f"{label} logits.grad", ll.grad, lr.grad[..., cols])
+    # Shards of different widths (rank r: 3 + r columns) raise on every rank, naming the widths.
+    uneven = torch.zeros(2, 5, 3 + r)
+    words = (
+        "logits_local",
+        "same number of vocabulary columns",
+        f"this rank has {3 + r}",
+        f"from 3 to {2 + T}",
+    )
+    _raises(problems, "cross_entropy uneven widths", ValueError, words,
+            lambda: vocab_parallel_cross_entropy(uneven, target.clamp(0, 2), group=ctx.mesh))  # fmt: skip
     # Every target ignored: "mean" is NaN, as F.cross_entropy's.
     nan = vocab_parallel_cross_entropy(full[..., cols], torch.full((2, 5), -100), group=ctx.mesh)
     if not bool(nan.isnan()):

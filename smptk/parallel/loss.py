@@ -45,8 +45,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_MV, target_M, group, ignore_index, reduction, vocab_start):
         vl = logits_MV.shape[1]
         x = logits_MV.float()
-        m = x.amax(dim=1)
+        # The rows' maxima, and +-Vl riding on the same all-reduce: every rank learns the largest and the
+        # smallest Vl of the group, so shards of different widths raise on every rank (they would give a
+        # wrong loss, not a mismatch: the all-reduces are [M] long whatever Vl is).
+        m = torch.cat([x.amax(dim=1), x.new_tensor([vl, -vl])])
         comm.all_reduce(m, "max", group)
+        widest, narrowest = int(m[-2]), -int(m[-1])
+        if widest != narrowest:
+            raise ValueError(
+                f"logits_local: every rank of the group must hold the same number of vocabulary columns; "
+                f"this rank has {vl}, others from {narrowest} to {widest}"
+            )
+        m = m[:-2]
         x = x - m.unsqueeze(1)
         e = x.exp()
         valid = target_M != ignore_index
