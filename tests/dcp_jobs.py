@@ -220,6 +220,26 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     )
     check("broadcast from rank 0 -> tp2_dp2", full_state(model, opt), saved_b, 2, 2)
 
+    # 6. A full state dict is a snapshot: the next step leaves it as it was (tensors that needed no
+    # gathering, the replicated and the tp-replicated ones, came back as the live parameters themselves).
+    from smptk.parallel.dcp import get_full_state_dict
+
+    snaps = {flag: get_full_state_dict(model, opt, rank0_only=flag) for flag in (False, True)}
+    before = {flag: _tree_map(snap, lambda t: t.detach().clone()) for flag, snap in snaps.items()}
+    step(model, opt, state, 2)
+    for flag in (False, True):
+        out["problems"][f"snapshot (rank0_only={flag})"] = differences(snaps[flag], before[flag])
+
+    # 7. A tensor of the wrong shape on rank 0: every rank raises, naming it and both shapes.
+    name, good = next((k, v) for k, v in saved_b["model"].items() if v.dim() == 2)
+    wrong = {**saved_b["model"], name: torch.zeros(good.shape[0] + 1, good.shape[1])}
+    try:
+        load_full_state_dict(model, wrong if rank == 0 else None)
+        out["problems"]["wrong shape"] = ["no error"]
+    except ValueError as e:
+        want = (name, str((good.shape[0] + 1, good.shape[1])), str(tuple(good.shape)))
+        out["problems"]["wrong shape"] = [f"{e} lacks {w}" for w in want if w not in str(e)]
+
     sp.reset()
     if rank == 0:
         out["saved"] = {"tp2_dp2": saved_a, "hsdp": saved_b}

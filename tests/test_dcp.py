@@ -49,6 +49,19 @@ def test_loads_under_another_config_exactly(job, phase: str) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "phase", ["snapshot (rank0_only=False)", "snapshot (rank0_only=True)", "wrong shape"]
+)
+def test_full_state_dict_is_a_copy_and_a_wrong_shape_is_named(job, phase: str) -> None:
+    """``get_full_state_dict`` shares no memory with the live model (a step leaves it as it was), and
+    ``load_full_state_dict`` with a tensor of the wrong shape raises on every rank, naming it."""
+    _, values = job
+    for rank, value in enumerate(values):
+        assert value["problems"][phase] == [], f"rank {rank}, {phase}:\n" + "\n".join(
+            value["problems"][phase]
+        )
+
+
 def test_job_trained_and_saved_optimizer_state(job) -> None:
     _, values = job
     saved = values[0]["saved"]

@@ -263,31 +263,88 @@ def load_full_state_dict(
             "optimizer_state: rank 0 must pass the full optimizer state dict when an optimizer is given, "
             f"got {type(optimizer_state).__name__}"
         )
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
+    # Shapes checked on rank 0 against the model's global ones (DTensors carry them: no gathering), the
+    # verdict broadcast so every rank raises (torch's broadcast fails on a shape mismatch without a name).
+    verdict: list[str | None] = [None]
+    if rank0:
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
+        bad = [
+            f"{k}: {tuple(v.shape)}, the model's {shapes[k]}"
+            for k, v in model_state.items()
+            if torch.is_tensor(v) and k in shapes and tuple(v.shape) != shapes[k]
+        ]
+        if bad:
+            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+            verdict[0] = "model_state: tensors of the wrong shape: " + "; ".join(bad[:8]) + more
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
     options = options_cls(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     # torch's broadcast from rank 0 sends a non-contiguous view wrong (the split halves of a stacked
     # tensor arrived as other elements of its storage, torch 2.13): send contiguous copies of those.
     full = {k: v.contiguous() if torch.is_tensor(v) else v for k, v in model_state.items()} if rank0 else {}
     set_model_state_dict(model, full, options=options)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, dict(optimizer_state) if rank0 else {}, options=options)
+        # Torch keeps rank 0's 0-d tensors (Adam's "step") as the optimizer's own: the caller's dict would
+        # count up with training. Copies of those (a few bytes each) leave it as it was.
+        given = (
+            _map_tensors(dict(optimizer_state), lambda t: t.clone() if t.dim() == 0 else t) if rank0 else {}
+        )
+        set_optimizer_state_dict(model, optimizer, given, options=options)
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    """``obj`` (nested dicts, lists and tuples, as state dicts are) with ``fn`` applied to every tensor."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 def get_full_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, rank0_only: bool = True
 ) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` with every tensor whole, on CPU (collective).
+    """``{"model": ..., "optim": ...}`` with every tensor whole, and a copy: none shares memory with the
+    live model or optimizer (collective).
 
-    With ``rank0_only`` (default) only rank 0 gets the tensors and the others an empty dict each, so
-    one host's memory holds one copy (what :func:`load_full_state_dict` takes back); False gives them
-    to every rank (the tensors then stay on the parameters' device).
+    With ``rank0_only`` (default) only rank 0 gets the tensors, on CPU, and the others an empty dict
+    each, so one host's memory holds one copy (what :func:`load_full_state_dict` takes back); False
+    gives them to every rank (the tensors then stay on the parameters' device).
     """
     _check_model_optimizer(model, optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    return _state_dicts(model, optimizer, options)
+    return _copies(_state_dicts(model, optimizer, options), model, optimizer)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _copies(state: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    """``state`` with every tensor that shares memory with the live model or optimizer replaced by a copy.
+    Torch returns an unsharded tensor that needed no gathering as the parameter itself (a replicated one,
+    or a bias under tensor parallelism; ``cpu_offload`` copies only what is not on the CPU already), so a
+    later optimizer step would change the "snapshot"."""
+    live = [_local(t) for t in (*model.parameters(), *model.buffers())]
+    if optimizer is not None:
+        live += [_local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr() for t in live if t.numel()}
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.numel() and t.untyped_storage().data_ptr() in storages else t
+
+    return _map_tensors(state, fresh)
 
 
 __all__ = [
