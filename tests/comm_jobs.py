@@ -487,7 +487,7 @@ def bad_inputs(world: int) -> list[tuple[str, Callable[[], object], type, str]]:
     bad("all_reduce-not-a-tensor", T, "tensor: expected a torch.Tensor, got list", lambda: ar([1.0, 2.0]))
     bad("all_reduce-noncontiguous", V, "tensor: must be contiguous", lambda: ar(z(4, 6).t()))
     bad("all_reduce-unknown-op", V, "op: expected one of", lambda: ar(z(4), op="prod"))
-    bad("all_reduce-reduceop-enum", V, "op: expected one of", lambda: ar(z(4), op=dist.ReduceOp.SUM))
+    bad("all_reduce-reduceop-product", V, "op: expected one of", lambda: ar(z(4), op=dist.ReduceOp.PRODUCT))
     bad("all_reduce-unknown-algorithm", V, "algorithm: expected one of", lambda: ar(z(4), algorithm="ring"))
     bad("all_reduce-max_sms-0", V, sms, lambda: ar(z(4), max_sms=0))
     bad("all_reduce-max_sms-257", V, sms, lambda: ar(z(4), max_sms=257))

@@ -162,11 +162,38 @@ def test_update_expert_bias_needs_the_option() -> None:
         ({"capacity_factor": 0.0}, "capacity_factor"),
         ({"aux_loss_coef": -1.0}, "aux_loss_coef"),
         ({"num_shared_experts": -1}, "num_shared_experts"),
+        (
+            {"num_shared_experts": 1, "shared_ffn_hidden_size": 0},
+            "shared_ffn_hidden_size: expected a positive",
+        ),
+        (
+            {"num_shared_experts": 1, "shared_ffn_hidden_size": -3},
+            "shared_ffn_hidden_size: expected a positive",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MoE(H, F_, E, **kwargs)
+
+
+def test_deepcopy_after_a_training_forward() -> None:
+    """The copy (an EMA or reference model) has the layer's state and none of its latest forward's outputs,
+    which are attached to the autograd graph (deep-copying them raised); it computes what the layer does."""
+    import copy
+
+    moe = _layer(top_k=2, num_shared_experts=1, aux_loss_coef=0.01)
+    x = torch.randn(7, H, requires_grad=True)
+    y = moe(x)
+    assert moe.aux_loss is not None and moe.aux_loss.requires_grad
+    twin = copy.deepcopy(moe)
+    assert twin.aux_loss is None and twin.last_routing is None and twin.last_plan is None
+    assert moe.aux_loss is not None, "the original keeps its loss for the backward"
+    for (name, p), q in zip(moe.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), name
+    assert torch.equal(twin(x.detach()), y.detach())
+    (y.sum() + moe.aux_loss).backward()  # the original's graph is intact
+    assert moe.router_weight.grad is not None and twin.router_weight.grad is None
 
 
 def test_bad_input_shape() -> None:

@@ -58,6 +58,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -232,6 +233,7 @@ class MoE(nn.Module):
             ("ffn_hidden_size", ffn_hidden_size),
             ("num_experts", num_experts),
             ("top_k", top_k),
+            ("shared_ffn_hidden_size", 1 if shared_ffn_hidden_size is None else shared_ffn_hidden_size),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -266,7 +268,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, H, ffn_hidden_size, device=expert_device, dtype=dtype)
         self.num_shared_experts = num_shared_experts
         if num_shared_experts:
-            width = num_shared_experts * (shared_ffn_hidden_size or ffn_hidden_size)
+            width = num_shared_experts * (
+                shared_ffn_hidden_size or ffn_hidden_size
+            )  # None: the experts' width
             self.shared_gate = nn.Parameter(torch.empty(width, H, **factory))
             self.shared_up = nn.Parameter(torch.empty(width, H, **factory))
             self.shared_down = nn.Parameter(torch.empty(H, width, **factory))
@@ -316,6 +320,17 @@ class MoE(nn.Module):
     def local_expert_ids(self) -> range:
         """Global ids of the experts this rank holds (all of them without expert parallelism)."""
         return range(self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts)
+
+    # What the latest forward left for the caller (attached to its autograd graph): not state. A copy
+    # starts without them, so copy.deepcopy works mid-training (graph tensors refuse to be deep-copied).
+    _PER_FORWARD = ("aux_loss", "last_routing", "last_plan")
+
+    def __deepcopy__(self, memo: dict) -> MoE:
+        copy_ = type(self).__new__(type(self))
+        memo[id(self)] = copy_
+        for name, value in self.__dict__.items():
+            copy_.__dict__[name] = None if name in self._PER_FORWARD else copy.deepcopy(value, memo)
+        return copy_
 
     def reset_parameters(self) -> None:
         """Router ~ N(0, 0.02^2); projections uniform in +-1/sqrt(fan_in), nn.Linear's default bound; the
