@@ -28,7 +28,8 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``bad_input``: heads not divisible by tp, tied embeddings under tp, an attention parameter with no
   tensor-parallel split, sequence parallelism with MoE, without a head, on an odd sequence or not a
   bool, an unsupported architecture,
-  expert parallelism on a dense model, config and state together.
+  expert parallelism on a dense model, config and state together; sizes that do not split (an MLP width or
+  a vocabulary over tp, experts over ep) refused with the model and its config left as they were.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def build(kind: str, **overrides):
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**opts))
     elif kind == "mixtral":
-        cfg = transformers.MixtralConfig(**opts, num_local_experts=4, num_experts_per_tok=2)
+        cfg = transformers.MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **opts})
         model = transformers.MixtralForCausalLM(cfg)
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(
@@ -257,6 +258,26 @@ def _bad_input(problems: list[str]) -> None:
         problem = expect_raises(call, kind, text)
         if problem is not None:
             problems.append(f"bad input {i}: {problem}")
+
+    # Sizes that do not split: refused before anything changes (the model was half converted).
+    ep2 = {**fp32, "expert_parallel_degree": 2}
+    refusals = [
+        ("llama", {"intermediate_size": 47}, tp2, "layers.0.mlp.gate_proj: out_features 47 is not divisible"),
+        ("llama", {"vocab_size": 95}, tp2, "model.embed_tokens: num_embeddings 95 is not divisible"),
+        ("mixtral", {"num_local_experts": 3, "output_router_logits": True}, ep2,
+         "model.layers.0.mlp: num_experts 3 is not divisible by expert_parallel_degree 2"),
+    ]  # fmt: skip
+    for kind, overrides, config, text in refusals:
+        model = build(kind, **overrides)
+        before = ({n: type(m) for n, m in model.named_modules()}, model.config.to_dict())
+        problem = expect_raises(lambda: sp.transform(model, config), ValueError, text)  # noqa: B023
+        if (
+            problem is None
+            and ({n: type(m) for n, m in model.named_modules()}, model.config.to_dict()) != before
+        ):
+            problem = "the refused model changed (its modules or its config)"
+        if problem is not None:
+            problems.append(f"refusal {kind} {overrides}: {problem}")
 
 
 MOE_KINDS = ("mixtral", "qwen3_moe")

@@ -169,6 +169,23 @@ def _check_moe_block(block: nn.Module, cfg: Any) -> None:
         )
 
 
+def _check_split_sizes(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
+    """Every dimension the plan splits over ``tp`` ranks divides (checked here, before anything changes,
+    rather than by the layers as the plan converts them one by one)."""
+    from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
+
+    split = {SmptkColwiseParallel: "out_features", SmptkRowwiseParallel: "in_features"}
+    split[SmptkVocabParallel] = "num_embeddings"
+    for name, style in plan.items():
+        attr = split.get(type(style))
+        size = getattr(model.get_submodule(name), attr) if attr else 0
+        if size % tp:
+            raise ValueError(
+                f"{name}: {attr} {size} is not divisible by tensor_parallel_degree {tp} (each rank holds an "
+                "equal slice)"
+            )
+
+
 def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
     """An smptk MoE holding ``block``'s weights (same device and dtype; checked by _check_moe_block)."""
     gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
@@ -403,9 +420,18 @@ def transform(
             "sequence_parallel needs the causal LM head (it gathers the sequence back); "
             f"{type(model).__name__} has none"
         )
-    if state.sizes["ep"] > 1 and not sparse:
-        raise ValueError(f"expert_parallel_degree {state.sizes['ep']}: {arch} model has no MoE layers")
+    ep = state.sizes["ep"]
+    if ep > 1 and not sparse:
+        raise ValueError(f"expert_parallel_degree {ep}: {arch} model has no MoE layers")
+    for i in sparse:
+        E = base.layers[i].mlp.gate.weight.shape[0]
+        if E % ep:
+            raise ValueError(
+                f"{prefix}layers.{i}.mlp: num_experts {E} is not divisible by expert_parallel_degree {ep} "
+                "(each rank holds an equal number of experts)"
+            )
     plan = _tp_plan(prefix, base, model, sp) if tp > 1 else {}  # raises on parameters it cannot split
+    _check_split_sizes(model, plan, tp)
 
     moe_layers = []
     for i in sparse:
