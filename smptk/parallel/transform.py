@@ -569,7 +569,12 @@ def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, tor
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """The sum of every smptk MoE layer's ``aux_loss`` from the last forward (0-d fp32; zero without MoE
-    layers or auxiliary coefficients): add it to the training loss of a transformed MoE model."""
+    layers or auxiliary coefficients): add it to the training loss of a transformed MoE model.
+
+    Each layer's loss is the Switch load-balancing loss (about 1 when balanced) times its coefficient, so
+    the sum is about L x coefficient for L MoE layers; Hugging Face's ``load_balancing_loss_func`` pools
+    the layers and counts each of the k chosen experts (about k). With the same ``router_aux_loss_coef``
+    this loss is about L / k times stronger (see the README)."""
     losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
     if not losses:
         first = next(model.parameters(), None)
