@@ -431,3 +431,14 @@ def test_plan_errors_name_the_problem(capsys, args, match) -> None:
 def test_model_spec_describe_and_presets() -> None:
     assert model_spec("DeepSeek-V3").is_mla and model_spec("deepseek-v3").num_moe_layers == 58
     assert "MoE 8x top-2" in model_spec("mixtral-8x7b").describe()
+
+
+def test_checkpointing_is_not_recommended_where_it_buys_nothing() -> None:
+    """Llama 2 7B on 16 p4d nodes fits without checkpointing at the same predicted step (the recompute
+    hides under FSDP's traffic): that configuration ranks first, and a checkpointed one of the same shape
+    does not claim to be needed "to fit" (both used to be the other way round)."""
+    adv = advise("llama2-7b", "p4d.24xlarge", nodes=16, seq_len=4096)
+    assert adv.best.config.activation_checkpointing == "none", adv.best.reason
+    optional = [c for c in adv.candidates if "optional (the same shape fits without it)" in c.reason]
+    assert optional and all(c.config.activation_checkpointing != "none" for c in optional)
+    assert not any("to fit" in c.reason and "checkpointing" in c.reason for c in optional)

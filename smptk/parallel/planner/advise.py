@@ -381,10 +381,20 @@ def advise(
             rejected.append(dataclasses.replace(c, reason=f"a smaller sharding degree fits (dp_shard {k})"))
         else:
             survivors.append(c)
-    survivors.sort(key=lambda c: (c.time.step_s / c.global_batch_tokens, c.estimate.total_bytes))
+    # Fastest per token first; on a tie (recompute hidden under communication), less recompute and no
+    # offload before less memory: checkpointing that buys no fit and no speed is not recommended first.
+    survivors.sort(
+        key=lambda c: (
+            c.time.step_s / c.global_batch_tokens,
+            _RECOMPUTE[c.config.activation_checkpointing],
+            c.config.sm_activation_offloading,
+            c.estimate.total_bytes,
+        )
+    )
+    plain = {_fit_key(c) for c in survivors if c.config.activation_checkpointing == "none"}
     ranked = []
     for i, c in enumerate(survivors):
-        why = _why(c, i == 0, seq_len)
+        why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain)
         ranked.append(dataclasses.replace(c, reason=why))
     suggestions = (
         _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected)
@@ -400,7 +410,21 @@ def _shape_key(c: Candidate) -> tuple:
             cfg.sm_activation_offloading, c.micro_batch)  # fmt: skip
 
 
-def _why(c: Candidate, first: bool, seq_len: int) -> str:
+_RECOMPUTE = {"none": 0, "selective": 1, "full": 2}
+
+
+def _fit_key(c: Candidate) -> tuple:
+    """A candidate's shape but its checkpointing: where one fits without, checkpointing is optional."""
+    cfg = c.config
+    return (
+        cfg.tensor_parallel_degree,
+        cfg.expert_parallel_degree,
+        c.estimate.sizes["dp_shard"],
+        c.micro_batch,
+    )
+
+
+def _why(c: Candidate, first: bool, seq_len: int, needed: bool = True) -> str:
     sz = c.estimate.sizes
     parts = ["fastest predicted" if first else "fits"]
     parts.append(f"smallest sharding that fits at this shape (dp_shard {sz['dp_shard']})")
@@ -412,9 +436,8 @@ def _why(c: Candidate, first: bool, seq_len: int) -> str:
         )
     ac = c.config.activation_checkpointing
     if ac != "none":
-        parts.append(
-            f"{ac} checkpointing" + (" + offload" if c.config.sm_activation_offloading else "") + " to fit"
-        )
+        what = f"{ac} checkpointing" + (" + offload" if c.config.sm_activation_offloading else "")
+        parts.append(f"{what} to fit" if needed else f"{what}: optional (the same shape fits without it)")
     parts.append(f"global batch {c.global_batch_tokens:,} tokens")
     return "; ".join(parts)
 
