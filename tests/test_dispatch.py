@@ -4,7 +4,8 @@
   Triton launch's ``empty``), and its outputs and gradients equal the direct call's bit for bit.
 - Under FakeTensorMode the dense kernels propagate shapes through the ops' fake implementations, launching
   nothing (the grouped ones read their CPU offsets' values first, which a fake tensor does not have).
-- ``dispatcher_op`` itself: the function runs outside any mode either way, and the op joins ``OPS``.
+- ``dispatcher_op`` itself: the function runs outside any mode either way, and the op joins ``OPS``; under
+  ``torch.compile`` it is not traced (a graph break), so the Triton path runs as it does eagerly.
 - Second derivatives: the Triton path's backward raises when asked to build a graph (``create_graph=True``)
   instead of dropping or miscomputing the second-order term (a gradient penalty through ``fused_linear``
   used to lose it silently, and ``swiglu``'s came out wrong).
@@ -111,6 +112,22 @@ def test_second_derivatives_raise(name: str, monkeypatch: pytest.MonkeyPatch) ->
         torch.autograd.grad(out.sum(), leaves[0], create_graph=True)  # a gradient penalty's first step
     (gx,) = torch.autograd.grad(fn(*leaves).sum(), leaves[0])  # without a graph: as before
     assert not gx.requires_grad and gx.shape == leaves[0].shape
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_torch_compile_runs_the_kernels_eagerly(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.compile`` (graph breaks allowed) the Triton path is left out of the graph and runs as
+    it does eagerly, forward and backward: Dynamo used to trace into the launch (under the interpreter, into
+    the interpreter itself) and fail."""
+    skip_unless_triton_on_cpu(monkeypatch)
+    _, fn, inputs = _calls()[name]
+    results = []
+    for run in (fn, torch.compile(fn, backend="eager")):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = run(*leaves)
+        results.append((out.detach(), *torch.autograd.grad(out.square().sum(), leaves)))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_dispatcher_op_registers_its_function() -> None:

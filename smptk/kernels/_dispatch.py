@@ -11,6 +11,12 @@ outputs' shapes) and returns a caller that
   checkpointing (:mod:`smptk.parallel.checkpointing`) keeps those outputs instead of running the kernel
   again in backward, and a FakeTensorMode gets the outputs' shapes without a launch.
 
+``torch.compile`` does not trace the caller (``torch.compiler.disable``): Dynamo cannot trace a Triton
+launcher's host code (under the interpreter it traced into the interpreter and failed), so it breaks the
+graph there and the op, with its autograd Function, runs as it does eagerly. ``fullgraph=True`` therefore
+refuses the Triton path; the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) is
+traced into the graph.
+
 Both branches run the same function, so what they compute is the same. The ops return tensors only, and
 fresh ones (no output aliases an input): an output a forward does not make is an empty tensor, which the
 caller turns back into None. :data:`OPS` holds every op registered here.
@@ -44,6 +50,21 @@ def _mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
+def _run(op, impl: Callable, args: tuple):
+    return op(*args) if _mode_active() else impl(*args)
+
+
+_OUTSIDE_GRAPHS: list[Callable] = []
+
+
+def _outside_graphs() -> Callable:
+    """``_run`` as ``torch.compile`` leaves it: never traced. Made on first use, while compiling (then
+    torch._dynamo is loaded already; at import it would load it, and triton with it: see ``_triton``)."""
+    if not _OUTSIDE_GRAPHS:
+        _OUTSIDE_GRAPHS.append(torch.compiler.disable(_run))
+    return _OUTSIDE_GRAPHS[0]
+
+
 def dispatcher_op(name: str, *, fake: Callable) -> Callable[[Callable], Callable]:
     """Register the decorated forward as ``torch.ops.smptk.<name>`` and return its caller (see the module
     docstring). ``fake`` takes the same arguments and returns empty outputs of the right shapes; the
@@ -57,7 +78,9 @@ def dispatcher_op(name: str, *, fake: Callable) -> Callable[[Callable], Callable
 
         @functools.wraps(impl)
         def call(*args):
-            return op(*args) if _mode_active() else impl(*args)
+            if torch.compiler.is_compiling():  # see the module docstring: a graph break, then eager
+                return _outside_graphs()(op, impl, args)
+            return _run(op, impl, args)
 
         call.op = packet
         return call
