@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smptk.parallel.dcp import _map_tensors
+
 VOCAB, HIDDEN, FFN, SEQ, BATCH = 12, 8, 16, 5, 4
 LR = 1e-2
 
@@ -115,17 +117,7 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     from smptk.parallel.dcp import get_full_state_dict
 
     state = get_full_state_dict(model, opt, rank0_only=False)
-    return _tree_map(state, lambda t: t.detach().cpu().clone())
-
-
-def _tree_map(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _tree_map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_map(v, fn) for v in obj)
-    return obj
+    return _map_tensors(state, lambda t: t.detach().cpu().clone())
 
 
 def differences(got, want, where: str = "") -> list[str]:
@@ -225,7 +217,7 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     from smptk.parallel.dcp import get_full_state_dict
 
     snaps = {flag: get_full_state_dict(model, opt, rank0_only=flag) for flag in (False, True)}
-    before = {flag: _tree_map(snap, lambda t: t.detach().clone()) for flag, snap in snaps.items()}
+    before = {flag: _map_tensors(snap, lambda t: t.detach().clone()) for flag, snap in snaps.items()}
     step(model, opt, state, 2)
     for flag in (False, True):
         out["problems"][f"snapshot (rank0_only={flag})"] = differences(snaps[flag], before[flag])

@@ -83,7 +83,9 @@ def test_one_process_loads_into_the_plain_model(job, name: str) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=dcp_jobs.LR)
     step = load_checkpoint(ckpt / name, model, opt)
     assert step == {"tp2_dp2": 1, "hsdp": 2}[name]
-    got = dcp_jobs._tree_map(get_full_state_dict(model, opt, rank0_only=False), lambda t: t.detach().clone())
+    got = dcp_jobs._map_tensors(
+        get_full_state_dict(model, opt, rank0_only=False), lambda t: t.detach().clone()
+    )
     problems = dcp_jobs.differences(got, saved)
     assert problems == [], "\n".join(problems)
 
