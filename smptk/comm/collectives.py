@@ -646,7 +646,7 @@ def all_reduce(
     g = _group(group)
     _check_tensor("tensor", tensor)
     op = _op_name(op)
-    code = _op_code(op)
+    code = OPS[op]
     programs = _max_sms(max_sms)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
@@ -794,7 +794,7 @@ def reduce_scatter_tensor(
             f"got {input.numel()} (shape {tuple(input.shape)})"
         )
     op = _op_name(op)
-    code = _op_code(op)
+    code = OPS[op]
     programs = _max_sms(max_sms)
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype, op):

@@ -87,7 +87,7 @@ _LOADED: dict[str, bool] = {}
 def _load() -> None:
     """Import triton (or make the stand-ins) and record ``TRITON_INTERPRET`` at its import; once."""
     with _load_lock:
-        if "INTERPRETER_AT_IMPORT" in globals():
+        if "INTERPRETER_AT_IMPORT" in _LOADED:
             return
         imported_before = "triton" in sys.modules  # by other code: torch._dynamo imports triton too
         try:

@@ -48,14 +48,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The rows' maxima, and +-Vl riding on the same all-reduce: every rank learns the largest and the
         # smallest Vl of the group, so shards of different widths raise on every rank (they would give a
         # wrong loss, not a mismatch: the all-reduces are [M] long whatever Vl is).
+        # On CUDA a device-side assert, as the target range check: no host sync stalls the step.
         m = torch.cat([x.amax(dim=1), x.new_tensor([vl, -vl])])
         comm.all_reduce(m, "max", group)
-        widest, narrowest = int(m[-2]), -int(m[-1])
-        if widest != narrowest:
-            raise ValueError(
-                f"logits_local: every rank of the group must hold the same number of vocabulary columns; "
-                f"this rank has {vl}, others from {narrowest} to {widest}"
-            )
+        same = "logits_local: every rank of the group must hold the same number of vocabulary columns"
+        if m.device.type == "cuda":
+            torch._assert_async(m[-2] == -m[-1], same)
+        elif m.device.type != "meta" and int(m[-2]) != -int(m[-1]):
+            raise ValueError(f"{same}; this rank has {vl}, others from {-int(m[-1])} to {int(m[-2])}")
         m = m[:-2]
         x = x - m.unsqueeze(1)
         e = x.exp()

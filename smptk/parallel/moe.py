@@ -268,9 +268,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, H, ffn_hidden_size, device=expert_device, dtype=dtype)
         self.num_shared_experts = num_shared_experts
         if num_shared_experts:
-            width = num_shared_experts * (
-                shared_ffn_hidden_size or ffn_hidden_size
-            )  # None: the experts' width
+            # shared_ffn_hidden_size None: the experts' width
+            width = num_shared_experts * (shared_ffn_hidden_size or ffn_hidden_size)
             self.shared_gate = nn.Parameter(torch.empty(width, H, **factory))
             self.shared_up = nn.Parameter(torch.empty(width, H, **factory))
             self.shared_down = nn.Parameter(torch.empty(H, width, **factory))
