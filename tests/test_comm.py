@@ -435,6 +435,31 @@ def test_heaps_are_reported_in_process(world1) -> None:
     assert comm.heaps() == []
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["symmetric", "fallback"])
+def test_world1_collectives_under_torch_compile(world1, dtype: torch.dtype) -> None:
+    """Called inside a ``torch.compile``d function, each in-place collective is a graph break and gives the
+    eager result, which the code after it reads (Dynamo used to trace into the launch and fail)."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        comm.all_reduce(y, op="max")
+        gathered = y.new_empty(y.numel())
+        comm.all_gather_into_tensor(gathered, y + 1)
+        scattered = y.new_empty(y.numel())
+        comm.reduce_scatter_tensor(scattered, gathered * 3)
+        swapped = torch.empty_like(scattered)
+        comm.all_to_all_single(swapped, scattered - 1)
+        return swapped.square()
+
+    x = torch.arange(10, dtype=dtype) - 4
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="eager")(x)
+    assert comm.last_path() == ("symmetric" if dtype == torch.float32 else "torch.distributed:gloo")
+    assert torch.equal(got, step(x))
+    assert torch.equal(got, ((x * 2 + 1) * 3 - 1).square())
+
+
 def test_world1_last_path_names_the_fallback(world1) -> None:
     y = torch.arange(5, dtype=torch.float64)
     comm.all_reduce(y)

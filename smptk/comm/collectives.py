@@ -13,6 +13,9 @@ default 8) programs per collective, ``timeout_s`` (SMPTK_COMM_TIMEOUT_S, default
 settings and make the same sequence of calls, as with any collective library. The variables are read
 through :mod:`smptk.settings`, once per process (on first use).
 
+Under ``torch.compile`` each of the four collectives is a graph break and runs as it does eagerly
+(:func:`smptk.kernels._dispatch.outside_graphs`): Dynamo cannot trace a kernel launch on the heap.
+
 Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetric path)::
 
     >>> import smptk.comm as comm
@@ -36,6 +39,7 @@ import torch.distributed as dist
 import smptk.settings as env_settings
 from smptk.comm.heap import HeapUnavailable, SymmetricHeap
 from smptk.kernels import runtime
+from smptk.kernels._dispatch import outside_graphs
 from smptk.kernels._triton import ensure_allocator, kernel_module
 from smptk.kernels.heap_layout import CALL_OFFSET, DATA_OFFSET, MAX_PROGRAMS, OPS, SEEN_OFFSET, SEQ_SHIFT
 
@@ -621,6 +625,7 @@ def _launch_all_to_all(heap, src, dst, windows, slot: int, programs: int, n_roun
     )
 
 
+@outside_graphs
 def all_reduce(
     tensor: torch.Tensor,
     op: str = "sum",
@@ -680,6 +685,7 @@ def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> No
     _fallback(g)
 
 
+@outside_graphs
 def all_gather_into_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -766,6 +772,7 @@ def _all_gather_copy_engine(heap, src: torch.Tensor, dst: torch.Tensor, chunk: i
         _signal(heap, call)  # every rank has read: the regions may be staged again
 
 
+@outside_graphs
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -873,6 +880,7 @@ def _window(lengths: list[int], starts: list[int], lo: int, slot: int) -> tuple[
     return offs, sizes
 
 
+@outside_graphs
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,

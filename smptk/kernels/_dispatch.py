@@ -54,15 +54,26 @@ def _run(op, impl: Callable, args: tuple):
     return op(*args) if _mode_active() else impl(*args)
 
 
-_OUTSIDE_GRAPHS: list[Callable] = []
+def outside_graphs(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compile`` leaves it: while compiling, a call is a graph break and ``fn`` runs as it
+    does eagerly (``torch.compiler.disable``); otherwise ``fn`` itself runs. For functions whose host code
+    Dynamo cannot trace: a Triton launch, or a collective over the symmetric heap (its tensors are real
+    tensors on both sides of the break, so an in-place result is seen by the graph that follows).
 
+    The disabled function is made on the first call while compiling: then torch._dynamo is loaded already
+    (at import it would load it, and triton with it: see ``_triton``).
+    """
+    disabled: list[Callable] = []
 
-def _outside_graphs() -> Callable:
-    """``_run`` as ``torch.compile`` leaves it: never traced. Made on first use, while compiling (then
-    torch._dynamo is loaded already; at import it would load it, and triton with it: see ``_triton``)."""
-    if not _OUTSIDE_GRAPHS:
-        _OUTSIDE_GRAPHS.append(torch.compiler.disable(_run))
-    return _OUTSIDE_GRAPHS[0]
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if not disabled:
+                disabled.append(torch.compiler.disable(fn))
+            return disabled[0](*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def dispatcher_op(name: str, *, fake: Callable) -> Callable[[Callable], Callable]:
@@ -76,10 +87,9 @@ def dispatcher_op(name: str, *, fake: Callable) -> Callable[[Callable], Callable
         packet = getattr(getattr(torch.ops, NAMESPACE), name).default
         OPS.add(packet)
 
+        @outside_graphs  # see the module docstring: under torch.compile, a graph break, then eager
         @functools.wraps(impl)
         def call(*args):
-            if torch.compiler.is_compiling():  # see the module docstring: a graph break, then eager
-                return _outside_graphs()(op, impl, args)
             return _run(op, impl, args)
 
         call.op = packet
