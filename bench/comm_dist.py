@@ -995,9 +995,8 @@ def launch(
     """``python -m torch.distributed.run --standalone --nproc-per-node nproc -m <module> *args`` (default
     module bench.comm_dist; :func:`bench.tp_dist.launch` passes its own).
 
-    Runs from the checkout root with it on ``PYTHONPATH``. At ``timeout_s`` torchrun gets SIGTERM (it
-    stops its ranks, which run in sessions of their own), and after a grace period whatever is left of
-    torchrun and the ranks it had started gets SIGKILL, by process id.
+    Runs from the checkout root with it on ``PYTHONPATH``. At ``timeout_s``, or when the wait is interrupted
+    (then the exception goes on), torchrun and its ranks are stopped (:func:`_stop`).
 
     Example::
 
@@ -1019,16 +1018,27 @@ def launch(
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        started = _descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=KILL_GRACE_S)
-        for pid in (proc.pid, *started):
-            if _is_ours(pid, module):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+        _stop(proc, module)
         out, err = proc.communicate()
+    except BaseException:  # pytest-timeout's alarm, Ctrl-C: no torchrun or rank outlives this call
+        _stop(proc, module)
+        raise
     return Launch(proc.returncode, out, err, time.monotonic() - t0, timed_out)
+
+
+def _stop(proc: subprocess.Popen, module: str) -> None:
+    """SIGTERM torchrun (it stops its ranks, which run in sessions of their own), then after a grace period
+    SIGKILL whatever is left of it and the ranks it had started, by process id."""
+    started = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+    for pid in (proc.pid, *started):
+        if _is_ours(pid, module):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -72,10 +72,17 @@ from bench import targets as _targets
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_ENV = "SMPTK_GPU_CHECK"
 AUTOTUNE_ENV = "SMPTK_AUTOTUNE"
-COMM_DIST_TIMEOUT_ENV = "SMPTK_BENCH_COMM_DIST_TIMEOUT_S"  # bench/test_bench_comm_dist.py reads it per test
+# The torchrun benchmarks read their time limit from these per test (through smptk.settings) and kill their
+# torchrun at it: the plugin sets them to the time left instead of arming pytest-timeout
+TORCHRUN_TIMEOUT_ENVS = {
+    "bench/test_bench_comm_dist.py": "SMPTK_BENCH_COMM_DIST_TIMEOUT_S",
+    "bench/test_bench_tp_dist.py": "SMPTK_BENCH_TP_DIST_TIMEOUT_S",
+}
 DEFAULT_MINUTES = 25.0
 TEST_SHARE = 0.30  # of the budget, at most, for the tests: the benchmarks are what only a GPU can do
 TEST_TIMEOUT_S = 300  # one test; untuned (the sm_90 compile test is the longest one we know of)
+CUT_OFF_SLACK_S = 2.0  # a budget-limited test failing this close to the deadline (or after) was cut off
+MIN_PHASE_S = 5.0  # a phase with less time than this does not start
 SCHEMA = "smptk.gpu_check/1"
 _PLUGINS = {"pytest-timeout": "pytest_timeout", "rich": "rich", "pytest-xdist": "xdist"}  # reported only
 
@@ -95,7 +102,8 @@ class _Watch:
         self.order = bool(cfg.get("order"))
         self.test_timeout_s: float | None = cfg.get("test_timeout_s")
         self.first = 0
-        self.comm_dist_timeout = os.environ.get(COMM_DIST_TIMEOUT_ENV)
+        self.torchrun_timeouts = {var: os.environ.get(var) for var in TORCHRUN_TIMEOUT_ENVS.values()}
+        self.budget_limited: set[str] = set()  # tests whose time limit was the budget's time left
 
     def _log(self, **event: Any) -> None:
         with self.log_path.open("a", encoding="utf-8") as f:
@@ -124,21 +132,30 @@ class _Watch:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
         """Outermost wrapper: limit the test to the time left (before pytest-timeout reads its marker).
 
-        A test due to start after the deadline (collection ran past it) is skipped with that reason.
+        A test due to start after the deadline (collection ran past it) is skipped with that reason. A
+        test whose limit is the time left, and that fails once the deadline has passed, was cut off by the
+        budget: it is reported as "cut off", not as a failure (:meth:`pytest_runtest_logreport`).
         """
         left = self._left()
         if left is not None and left <= 0:
             item.add_marker(pytest.mark.skip(reason="gpu-check: time budget spent before it started"))
         elif left is not None:
-            if item.nodeid.startswith("bench/test_bench_comm_dist.py"):  # it kills its torchrun at this limit
-                limit = min(left, float(self.comm_dist_timeout or left))
-                os.environ[COMM_DIST_TIMEOUT_ENV] = f"{max(1.0, limit):.0f}"
+            env = next((v for f, v in TORCHRUN_TIMEOUT_ENVS.items() if item.nodeid.startswith(f)), None)
+            if env is not None:
+                own = float(self.torchrun_timeouts[env] or "inf")
+                limit = min(left, own)
+                os.environ[env] = f"{max(1.0, limit):.0f}"
             elif self.config.pluginmanager.hasplugin("timeout"):
-                limit = left if self.test_timeout_s is None else min(left, self.test_timeout_s)
-                own = item.get_closest_marker("timeout")
-                if own is not None and own.args and isinstance(own.args[0], (int, float)) and own.args[0] > 0:
-                    limit = min(limit, float(own.args[0]))
+                own = float("inf") if self.test_timeout_s is None else self.test_timeout_s
+                marker = item.get_closest_marker("timeout")
+                if marker and marker.args and isinstance(marker.args[0], (int, float)) and marker.args[0] > 0:
+                    own = min(own, float(marker.args[0]))
+                limit = min(left, own)
                 item.add_marker(pytest.mark.timeout(max(1, round(limit)), method="signal"), append=False)
+            else:
+                own = limit = left  # no per-test limit: the parent kills the child at the budget's end
+            if left <= own:
+                self.budget_limited.add(item.nodeid)
         yield
         left = self._left()
         if left is not None and left <= 0 and not item.session.shouldstop:
@@ -169,6 +186,9 @@ class _Watch:
             crash = getattr(report.longrepr, "reprcrash", None)
             lines = report.longreprtext.strip().splitlines()
             message = str(getattr(crash, "message", None) or (lines[-1] if lines else ""))[:500]
+            left = self._left()
+            if report.nodeid in self.budget_limited and left is not None and left <= CUT_OFF_SLACK_S:
+                outcome = "cut off"  # stopped at the budget's end, by its time-left limit
         self._log(event="end", nodeid=report.nodeid, outcome=outcome, message=message, t=time.time())
 
 
@@ -309,6 +329,11 @@ def _why_not_started(child: Child) -> str:
     return f"the session ended first (exit status {child.returncode})"
 
 
+def _cut_off(child: Child) -> list[str]:
+    """Tests stopped by their time-left limit at the budget's end (not failures: see ``_Watch``)."""
+    return [n for n, outcome in child.outcomes.items() if outcome == "cut off"]
+
+
 def _unfinished(child: Child) -> list[str]:
     """Tests that started but reported no outcome (the one running when the child was killed)."""
     done = child.outcomes
@@ -335,6 +360,7 @@ def run_tests(budget_s: float, env: dict[str, str]) -> dict[str, Any]:
     ]
     return {
         "command": " ".join(argv[1:]) + f"  ({AUTOTUNE_ENV}=0)",
+        "cut_off": _cut_off(child),
         "budget_s": budget_s,
         "wall_s": child.wall_s,
         "returncode": child.returncode,
@@ -378,6 +404,7 @@ def run_bench(budget_s: float, env: dict[str, str], args: argparse.Namespace) ->
         "failures": [e["nodeid"] for e in child.of("end") if e["outcome"] in ("failed", "error")]
         + [f"{e['nodeid']} (collection error: {e.get('message')})" for e in child.of("collect_error")],
         "unfinished": _unfinished(child),
+        "cut_off": _cut_off(child),
         "not_reached": not_reached,
         "not_reached_why": _why_not_started(child),
     }
@@ -465,6 +492,8 @@ def _print_tests(summary: dict[str, Any]) -> None:
         print(f"  {f['outcome'].upper()} {f['nodeid']}: {f['message']}")
     if len(summary["failures"]) > 30:
         print(f"  ... and {len(summary['failures']) - 30} more failures")
+    if summary["cut_off"]:
+        print(f"gpu-check: tests cut off by the time budget (not failures): {summary['cut_off']}")
     if summary["unfinished"]:
         print(f"gpu-check: tests not finished (stopped or killed while running): {summary['unfinished']}")
     if summary["not_started"]:
@@ -484,6 +513,11 @@ def _print_bench(summary: dict[str, Any]) -> None:
     )
     for nodeid in summary["failures"][:30]:
         print(f"  FAILED {nodeid}")
+    if summary["cut_off"]:
+        print(
+            f"gpu-check: benchmarks cut off by the time budget (not failures; rows written stay): "
+            f"{summary['cut_off']}"
+        )
     if summary["unfinished"]:
         print(f"gpu-check: benchmarks cut off while running: {summary['unfinished']}")
     for suite, ids in summary["not_reached"].items():
@@ -549,8 +583,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gpu-check: phase setup {phases['setup']:.1f} s")
 
     tests: dict[str, Any] | None = None
-    if not args.skip_tests:
-        budget = min(TEST_SHARE * total, deadline - time.monotonic() - reserve)
+    budget = min(TEST_SHARE * total, deadline - time.monotonic() - reserve)
+    if not args.skip_tests and budget < MIN_PHASE_S:
+        print(f"gpu-check: no time left for the tests ({budget:.0f} s)")
+    elif not args.skip_tests:
         print(f"gpu-check: phase tests: pytest tests -m gpu ({AUTOTUNE_ENV}=0), at most {budget:.0f} s")
         t0 = time.monotonic()
         tests = run_tests(budget, env)
@@ -560,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bench: dict[str, Any] | None = None
     budget = deadline - time.monotonic() - reserve
-    if budget > 5:
+    if budget >= MIN_PHASE_S:
         print(f"gpu-check: phase benchmarks: python -m bench, at most {budget:.0f} s")
         t0 = time.monotonic()
         bench = run_bench(budget, env, args)
@@ -621,9 +657,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _clean(summary: dict[str, Any]) -> bool:
-    """A phase that ran to its end or to its budget with no failure (exit 5: nothing was selected)."""
+    """A phase that ran to its end or to its budget with no failure (exit 5: nothing was selected; 1 or 2
+    after a budget stop: a test cut off by the budget, or the stop itself)."""
     rc = summary["returncode"]
-    ended = rc in (0, 5) or (rc == 2 and summary["budget_stop"])
+    ended = rc in (0, 5) or (rc in (1, 2) and summary["budget_stop"])
     return ended and not summary["killed"] and not summary["failures"]
 
 

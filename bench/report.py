@@ -135,7 +135,10 @@ def _cell(value: Any) -> str:
 
 
 def _section_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
-    return (_cell(row.get("suite")), op_label(row), _cell(row.get("pass")), _cell(row.get("dtype")))
+    """(suite, op label, pass, dtype); a row's ``config`` (tensor-parallel "sp" / "no_sp", the MoE configs,
+    the planner's checkpointing) joins the label, so rows of different configs never share a section."""
+    label = op_label(row) + (f" [{row['config']}]" if row.get("config") else "")
+    return (_cell(row.get("suite")), label, _cell(row.get("pass")), _cell(row.get("dtype")))
 
 
 def _shape_key(row: dict[str, Any]) -> tuple[tuple[str, int], ...]:
@@ -366,7 +369,7 @@ def _summary_html(rows: list[dict[str, Any]], sections: dict[tuple, list[dict]])
     baseline_text = BASELINE + (f" ({'; '.join(f'{s} suite: {b}' for s, b in others)})" if others else "")
     lines = []
     for key, section in sections.items():
-        ours = [r for r in section if r.get("impl") == "smptk"]
+        ours = _ours(section)
         speedups = [s for r in ours if (s := speedup_vs(rows, r)) is not None]
         pcts = [p for r in ours if (p := pct_of_ceiling(rows, r)) is not None]
         geo = math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None
@@ -383,8 +386,24 @@ def _summary_html(rows: list[dict[str, Any]], sections: dict[tuple, list[dict]])
     )
 
 
+def _ours(section: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The section's rows of smptk: impl "smptk", or where a suite names its own (``smptk_routing``,
+    ``smptk_fused``, ...), the first of those in :data:`IMPL_ORDER`."""
+    names = sorted(
+        {str(r.get("impl")) for r in section if str(r.get("impl")).startswith("smptk")}, key=_impl_key
+    )
+    return [r for r in section if names and r.get("impl") == names[0]]
+
+
 def _fmt_bytes(n: Any) -> str:
-    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) and n else "—"
+    """In the largest unit it reaches: whole (``256 MiB``, the L2 flush) or to 3 digits (``79.6 GiB``)."""
+    if not isinstance(n, (int, float)) or not n > 0:
+        return "—"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)):
+        if n >= scale or unit == "B":
+            v = n / scale
+            return f"{v:.0f} {unit}" if v.is_integer() else f"{v:.3g} {unit}"
+    raise AssertionError("unreachable")
 
 
 def _gpu_text(g: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ import torch
 from bench.comm_dist import NCCL_MAX_CTAS, PARTS, SUITES, launch, nccl_options_class
 from bench.config import JSONL_ENV, current_mode
 from bench.rows import RowWriter, read_rows, run_id
+from smptk import settings
 
 MODE = current_mode()  # bench/conftest.py has already prepared the process
 TIMEOUT_ENV = "SMPTK_BENCH_COMM_DIST_TIMEOUT_S"
@@ -47,16 +48,8 @@ def ranks() -> int:
 
 
 def _timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return TIMEOUT_S[MODE.name]
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected seconds") from None
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return value
+    value = settings.bench_comm_dist_timeout_s()  # SMPTK_BENCH_COMM_DIST_TIMEOUT_S, checked by smptk.settings
+    return TIMEOUT_S[MODE.name] if value is None else value
 
 
 def env_cap_runs(part: str, n: int) -> tuple[int, ...]:

@@ -67,6 +67,26 @@ class MemoryCase:
 CASES = [MemoryCase(mode) for mode in ("none", "selective", "full")]
 
 
+_OWN_GROUP: list[bool] = []  # whether _setup made the process group (then the module fixture ends it)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_group() -> Any:
+    """After this suite: smptk.parallel's state reset and the one-rank NCCL group _setup made destroyed,
+    so later suites in the same benchmark process inherit neither (an open NCCL group also warns, or
+    hangs, at exit)."""
+    yield
+    if _OWN_GROUP:
+        import torch.distributed as dist
+
+        import smptk.parallel as sp
+
+        sp.reset()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _OWN_GROUP.clear()
+
+
 def _setup(case: MemoryCase):
     import torch.distributed as dist
 
@@ -75,6 +95,7 @@ def _setup(case: MemoryCase):
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        _OWN_GROUP.append(True)
     sp.reset()
     config = {"mixed_precision": "bf16", "activation_checkpointing": case.checkpointing}
     state = sp.init(config)

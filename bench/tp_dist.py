@@ -56,9 +56,10 @@ Timing (``bench.comm_dist``'s timer): per rank, CUDA events around ``iters_per_r
 forwards after a barrier (the host clock on a CPU); per round the max over ranks; ``time_s`` is
 :func:`bench.timing.summarize` over rounds.
 The L2 is not flushed: the pair's weights and activations (hundreds of MiB a rank at the measure shape)
-exceed it. ``tflops`` = 4 S H F / T / median (one GPU's share of the pair's FLOPs), ``tflops_total`` = all
-ranks'. smptk rows record ``comm_max_sms`` (``smptk.parallel.init``'s ``comm_max_sms``; torch's rows have
-None: NCCL and symmetric-memory copies pick their own SMs) and ``comm_settings``.
+exceed it. ``flops`` = 4 S H F / T (one GPU's share of the pair's FLOPs, as in bench/test_bench_tp_sim.py)
+and ``tflops`` = flops / median; ``flops_total`` and ``tflops_total``: all ranks'. smptk rows record
+``comm_max_sms`` (``smptk.parallel.init``'s ``comm_max_sms``; torch's rows have None: NCCL and
+symmetric-memory copies pick their own SMs) and ``comm_settings``.
 
 World: T = every rank of the torchrun. With one rank every case is a skipped row (a TP pair at T=1 has no
 communication to fuse or overlap); the rows are never multi-GPU numbers faked on one GPU (the
@@ -463,7 +464,8 @@ def run_config(ctx: Ctx, state: Any, shape: dict[str, int], config: str, impls: 
         "tp": t,
         "shape": dict(shape),
         "dtype": str(ctx.dtype).removeprefix("torch."),
-        "flops": flops,
+        "flops": flops // t,  # one rank's share, as every suite's flops is what the timed device does
+        "flops_total": flops,
     }
     iters = ITERS[ctx.mode]
     for impl in impls:

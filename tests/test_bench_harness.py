@@ -177,6 +177,23 @@ def test_report_shows_the_rows_numbers_and_ratios() -> None:
     assert "<script" not in page and "<link" not in page and "src=" not in page
 
 
+def test_report_sections_split_by_config_and_count_the_suites_own_impl() -> None:
+    """Rows of two configs ("sp" / "no_sp") get a section each (they used to share one, with two
+    same-labeled rows per impl); a section whose smptk impl has its own name (``smptk_fused``) counts its
+    shapes in the summary (it showed 0); the environment shows a 256 MiB L2 flush as such (not 0.2 GiB)."""
+    rows = [
+        _row("smptk_fused", 0.002) | {"config": "sp"},
+        _row("smptk_unfused", 0.003) | {"config": "sp"},
+        _row("smptk_unfused", 0.004) | {"config": "no_sp"},
+    ]
+    page = render_html(rows)
+    assert page.count("<section><h2>fused_linear(gelu, bias) [sp] — fwd") == 1
+    assert page.count("<section><h2>fused_linear(gelu, bias) [no_sp] — fwd") == 1
+    summary = page.split("<h2>Summary (smptk)</h2>")[1].split("</table>")[0]
+    assert summary.count("<td>1</td>") == 2 and "<td>0</td>" not in summary
+    assert "256 MiB" in page and "0.2 GiB" not in page
+
+
 def test_report_leaves_missing_baselines_blank() -> None:
     page = render_html([_row("smptk", 0.002)])  # no torch_eager, no torch_matmul row
     summary = page.split("<h2>Summary (smptk)</h2>")[1].split("</table>")[0]

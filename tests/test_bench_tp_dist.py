@@ -99,6 +99,8 @@ def test_quick_run_under_torchrun_writes_checked_rows(tmp_path: Path) -> None:
         assert (row["world"], row["tp"], row["world_size"], row["dtype"]) == (2, 2, 2, "float32")
         assert row["shape"] == {"S": 12, "H": 20, "F": 24} and row["run_id"] == "test-tp-dist-e2e"
         assert row["time_s"]["median"] > 0 and row["tflops"] > 0 and row["env"]["git_sha"]
+        assert row["flops"] * row["world"] == row["flops_total"] == pair_flops(row["shape"])
+        assert row["tflops"] == pytest.approx(row["flops"] / row["time_s"]["median"] / 1e12)
         assert row["sequence_parallel"] == (key[1] == "sp")
     fused = rows[("smptk_fused", "sp")]
     assert (fused["path"], fused["path_reason"], fused["comm_max_sms"]) == ("fused", None, 8)

@@ -310,6 +310,29 @@ def test_child_stops_at_its_deadline(tmp_path: Path) -> None:
     assert child.wall_s < 12
 
 
+def test_a_test_cut_off_by_the_budget_is_not_a_failure(tmp_path: Path) -> None:
+    """A test whose limit is the time left and that fails at the deadline was cut off (the torchrun
+    benchmarks kill their torchrun at that limit and fail): reported as "cut off", and the phase is clean;
+    a test that fails before the deadline is still a failure."""
+    test_file = tmp_path / "test_cut.py"
+    test_file.write_text(
+        "import json, os, time\n\ndef test_early():\n    assert False, 'a real failure'\n\n"
+        "def test_cut():  # a benchmark killed at the time left\n"
+        f"    deadline = json.loads(os.environ[{gpu_check.PLUGIN_ENV!r}])['deadline']\n"
+        "    time.sleep(max(0.0, deadline - time.time() + 0.2))\n"
+        "    raise AssertionError('ran past its limit and was killed')\n"
+    )
+    argv = [sys.executable, "-m", "pytest", str(test_file), "-p", "bench.gpu_check", "-q"]
+    argv += ["-p", "no:cacheprovider", "-p", "no:timeout", f"--rootdir={tmp_path}"]
+    child = gpu_check.run_child(argv, budget_s=12, order=False, test_timeout_s=None, env=dict(os.environ))
+    assert child.outcomes == {"test_cut.py::test_early": "failed", "test_cut.py::test_cut": "cut off"}
+    assert gpu_check._cut_off(child) == ["test_cut.py::test_cut"]
+    assert child.budget_stop and child.returncode in (1, 2, -15)  # 2: stopped; -15: killed on a busy machine
+    summary = {"returncode": 1, "killed": False, "budget_stop": True}  # pytest's exit after the cut-off
+    assert not gpu_check._clean(summary | {"failures": ["test_cut.py::test_early"]})
+    assert gpu_check._clean(summary | {"failures": []})
+
+
 # ----------------------------------------------------------------------------- end to end
 def test_gpu_check_end_to_end_quick(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SMPTK_BENCH_", "SMPTK_GPU_CHECK"))}
