@@ -185,9 +185,14 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
 
             parallelize_module(model, state.submesh("tp"), _tp_plan(TP_STYLES[name]))
         model, report = apply_data_parallel(model, state, **kwargs)
+        init_diff = None
         if name in DELAYED:
             assert parallel.materialize(model, state) > 0
             assert all(not p.is_meta for p in model.parameters())
+            # materialize alone gives the reference's initial values (random_seed 0 = build_model's seed);
+            # loading them from rank 0 then changes nothing
+            got, want = full_params(model), full_params(build_model())
+            init_diff = {n: (got[n] - want[n]).abs().max().item() for n in want}
             initial = build_model().state_dict() if state.rank == 0 else None
             parallel.load_full_state_dict(model, initial)
         t2 = time.perf_counter()
@@ -196,6 +201,7 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
         params = full_params(model)
         out[name] = {
             "diff": {n: (params[n] - ref[n]).abs().max().item() for n in ref},
+            "init_diff": init_diff,
             "params": params,
             "losses": losses,
             "mode": report.mode,

@@ -72,6 +72,14 @@ def test_fp32_steps_equal_single_process(job, name: str) -> None:
     assert got == pytest.approx(ref, abs=FP32_TOL), f"{name}: mean loss per step {got}, reference {ref}"
 
 
+def test_delayed_init_materializes_the_one_process_values(job) -> None:
+    """Built on meta, sharded by FSDP2 over 4 CPU ranks, then materialized: every parameter equals the one
+    process model's initial value exactly (the FSDP-sharded torch layers' resets used to draw each shard
+    locally: the same numbers on every rank, and the layers after them shifted)."""
+    for rank, run in enumerate(_case(job, "delayed_init_ac")):
+        assert run["init_diff"] and all(d == 0 for d in run["init_diff"].values()), (rank, run["init_diff"])
+
+
 def test_smptk_and_torch_collectives_give_the_same_parameters(job) -> None:
     for rank in range(4):
         a, b = job[rank]["full_shard_smptk"]["params"], job[rank]["full_shard_torch"]["params"]

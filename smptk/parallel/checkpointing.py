@@ -123,11 +123,15 @@ class _Offloaded:
     stored: object = None  # CUDA event: the device-to-host copy is done
     back: torch.Tensor | None = None  # the device copy, once loading started
     loaded: object = None  # CUDA event: the host-to-device copy is done
+    used: bool = False  # backward has read it: no prefetch brings it back again
 
 
 class ActivationOffloader:
     """Saved-tensor hooks that keep checkpointed units' inputs in host memory between forward and
-    backward, and bring them back ``horizon`` units ahead (see the module docstring).
+    backward, and bring them back while backward is at most ``horizon - 1`` units before them (see the
+    module docstring). Each input comes back once, and its host copy is dropped from the prefetch list
+    once backward has read it; one backward over several forwards (micro-batch losses summed) prefetches
+    the last forward's inputs and loads the earlier ones on demand.
 
     Args:
         horizon: units whose inputs may be on the device at once in backward, >= 1 (the config's
@@ -180,7 +184,7 @@ class ActivationOffloader:
         return away
 
     def _load(self, away: _Offloaded, how: str) -> None:
-        if away.back is not None:
+        if away.back is not None or (away.used and how == "prefetch"):
             return
         self.log.append(("load", away.unit, how))
         if away.device.type != "cuda":
@@ -207,6 +211,10 @@ class ActivationOffloader:
             current.wait_event(away.loaded)
             t.record_stream(current)
         away.back = away.loaded = None  # the device copy lives as long as backward needs it, no longer
+        away.used = True
+        ours = self._away.get(away.unit, [])
+        if any(a is away for a in ours):  # its host copy goes with the graph (kept for a retain_graph rerun)
+            ours[:] = [a for a in ours if a is not away]
         return t
 
     def attach(self, unit: nn.Module, index: int) -> None:

@@ -49,10 +49,16 @@ Rank 5 sits at dp_replicate 1, dp_shard 0, tp 1, dp 2, ep 0, edp_shard 0. With w
 Seeds (:meth:`ParallelState.seed_for`): ``seed_for()`` is ``random_seed`` on every rank, for parameter
 initialization, so parameters start identical across data-parallel replicas and a tensor-parallel layer
 draws its full weight from that seed and keeps its slice (the sharded model starts as the one-GPU model).
+``init`` seeds torch's generators with it (``torch.manual_seed(random_seed)``, the same on every rank, as
+Megatron-LM's and torchtitan's setup do), and smptk's layers draw from torch's default CPU generator like
+``nn.Linear``: a model built after ``init``, of smptk's layers and torch's in any mix, starts identical on
+every rank and, built on the CPU, equal to the unsharded model built in the same order after
+``torch.manual_seed(random_seed)`` (:mod:`smptk.parallel.shard_init`; a meta-built one after
+:func:`~smptk.parallel.materialize`). Reseeding per rank before the model is built breaks this; per-rank
+randomness takes the generators below.
 ``seed_for("tp")`` differs across the tp ranks and agrees across every other dim: dropout in
 sequence-parallel regions, where each tp rank holds different tokens (Megatron-LM's model-parallel RNG
-convention); ``seed_for("dp", "tp")`` differs across both. ``init`` does not reseed torch's global
-generator: layers take generators from :meth:`ParallelState.generator`.
+convention); ``seed_for("dp", "tp")`` differs across both (:meth:`ParallelState.generator` makes one).
 
 ``comm_max_sms`` >= 1 becomes ``smptk.comm``'s default ``max_sms`` (``smptk.comm.configure``) for every
 collective on this rank until :func:`reset`; 0 (copy engines, no SM moves data) is not a default
@@ -159,7 +165,8 @@ class ParallelConfig:
         mixed_precision: parameter / compute dtype, "bf16" (default), "fp16" or "fp32".
         comm_max_sms: SMs (programs) per smptk collective, 0..256; None keeps ``smptk.comm``'s setting
             (SMPTK_COMM_MAX_SMS, default 8); 0 = copy engines where the collective has that path.
-        random_seed: >= 0 and < 2**63; the base of every seed in :meth:`ParallelState.seed_for`.
+        random_seed: >= 0 and < 2**63; :func:`init` seeds torch's generators with it (parameter
+            initialization) and it is the base of every seed in :meth:`ParallelState.seed_for`.
     """
 
     tensor_parallel_degree: int = 1
@@ -457,6 +464,7 @@ def init(
     coords["edp_shard"] = expert_mesh.get_local_rank("edp_shard")
     coords["ep"] = expert_mesh.get_local_rank("ep")
 
+    torch.manual_seed(cfg.random_seed)  # the model built next starts alike on every rank (module docstring)
     reset()  # a previous init's comm setting goes back before this config's applies
     if cfg.comm_max_sms:  # 0 is no default smptk.comm takes; None leaves its setting alone
         _saved_max_sms = int(comm.settings()["max_sms"])

@@ -12,9 +12,12 @@ default CPU generator too (their ``generator=`` argument). No rank ever holds th
 What the values are: smptk's layers (:class:`~smptk.parallel.ColumnParallelLinear`, ...) draw exactly the
 unsharded module's values (they draw the full tensor from the generator and keep their slice, see
 :mod:`smptk.parallel.shard_init`), so a model of smptk layers and unsharded torch layers gets the
-values the same resets in the same order give the unsharded model. A torch module's
-``reset_parameters`` on a DTensor shard draws with torch's DTensor random-number tracker (on CUDA: the
-values a full-tensor draw would give that shard; on CPU each shard draws locally), so where values must
+values the same resets in the same order give the unsharded model. A torch module whose own parameters
+are DTensors (sharded by ``fully_shard`` or a torch ParallelStyle): on CUDA its ``reset_parameters``
+draws with torch's DTensor random-number tracker (the values a full-tensor draw on the GPU would give
+each shard); on CPU, where the tracker draws every shard locally (each rank the same numbers, and fewer
+of them than the whole tensor), it runs on full-size CPU stand-ins of those parameters and each rank
+keeps its piece, so the module and every later one get the unsharded model's values. Where values must
 equal a checkpoint, load it afterwards
 (:func:`~smptk.parallel.load_full_state_dict` or :func:`~smptk.parallel.load_checkpoint`). Buffers come
 back uninitialized unless their module's ``reset_parameters`` refills them (torch's norms do): a module
@@ -36,6 +39,7 @@ import inspect
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from smptk.parallel.config import ParallelState, current
 
@@ -89,9 +93,34 @@ def materialize(
                     if "generator" in inspect.signature(reset).parameters:  # smptk's layers: one stream
                         reset(generator=torch.default_generator)
                     else:
-                        reset()
+                        _reset_torch_module(module, reset)
                     ran += 1
     return ran
+
+
+def _reset_torch_module(module: nn.Module, reset) -> None:
+    """``reset()``; where ``module``'s own parameters include CPU DTensors, on full-size CPU stand-ins of
+    them, each rank then keeping its piece (``distribute_tensor`` without communication), as the module
+    docstring says."""
+    sharded = {
+        name: p
+        for name, p in module.named_parameters(recurse=False)
+        if isinstance(p, DTensor) and p.device.type == "cpu"
+    }
+    if not sharded:
+        reset()
+        return
+    stand_ins = {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for name, p in sharded.items()}
+    try:
+        for name, full in stand_ins.items():
+            module._parameters[name] = full
+        reset()
+    finally:
+        for name, p in sharded.items():
+            module._parameters[name] = p
+    for name, p in sharded.items():
+        piece = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(piece.to_local())
 
 
 __all__ = ["materialize"]

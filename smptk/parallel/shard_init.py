@@ -4,11 +4,12 @@ A sharded layer's ``reset_parameters`` reproduces the unsharded module exactly: 
 on the CPU, in the module's dtype, from one generator in ``nn.Linear`` / ``nn.Embedding``'s order
 (weight, then bias), and each rank keeps its slice. So ``torch.manual_seed(s)`` + ``nn.Linear(K, N)``
 and the same generator state + ``ColumnParallelLinear(K, N)`` assemble to the same weight, for any T.
-The generator: the ``generator`` argument; else, after :func:`smptk.parallel.init`, one stream per
-:class:`~smptk.parallel.ParallelState` seeded with ``seed_for()`` (= ``random_seed`` on every rank) and
-continued by every layer in construction order (so ``torch.manual_seed(random_seed)`` and the unsharded
-model built in the same order give the same weights); else torch's default CPU generator (every rank
-must have seeded it alike, as ``nn.Linear`` needs). The trade-off: each rank spends the time of drawing
+The generator: the ``generator`` argument, else torch's default CPU generator, the one ``nn.Linear``
+draws from on the CPU. :func:`smptk.parallel.init` seeds it with ``random_seed`` on every rank, so a
+model built after ``init`` (smptk's layers and torch's in any mix) starts identical on every rank, and,
+built on the CPU, equal to the unsharded model built after ``torch.manual_seed(random_seed)`` in the same
+order: both draw one stream in construction order. Every rank must keep that generator in step until the
+model is built (no per-rank reseeding in between). The trade-off: each rank spends the time of drawing
 the whole weight (the generators cannot skip ahead), but memory stays bounded: the draw goes in row
 blocks of about ``INIT_BLOCK_ELEMS`` elements whose sizes keep torch's CPU ``normal_`` stream (it draws
 16 values at a time) identical to one whole draw. Construction with ``device="meta"`` allocates and
@@ -22,7 +23,6 @@ cut by ``distribute_tensor``).
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,23 +34,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 INIT_BLOCK_ELEMS = 1 << 24
 _NORMAL_GROUP = 16  # torch's CPU normal_ fills 16 values at a time (and redraws the last 16 of a tail)
 
-_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ParallelState -> its init generator
-
 
 def init_generator(generator: torch.Generator | None) -> torch.Generator:
     """The generator ``reset_parameters`` draws from (see the module docstring)."""
-    if generator is not None:
-        if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
-            raise TypeError(f"generator: expected a CPU torch.Generator, got {generator!r}")
-        return generator
-    from smptk.parallel.config import current, is_initialized
-
-    if is_initialized():
-        state = current()
-        if state not in _streams:
-            _streams[state] = state.generator()
-        return _streams[state]
-    return torch.default_generator
+    if generator is None:
+        return torch.default_generator
+    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+        raise TypeError(f"generator: expected a CPU torch.Generator, got {generator!r}")
+    return generator
 
 
 def row_blocks(rows: int, row_elems: int, target: int) -> list[tuple[int, int]]:
