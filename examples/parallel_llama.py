@@ -21,6 +21,10 @@ Then it builds a fresh model from another seed, loads that checkpoint and trains
 the losses must match the first pass (exactly in fp32). ``--resume`` instead starts from the newest
 checkpoint in ``--ckpt-dir``, under whatever config this run has (checkpoints reshard).
 
+A ``--config`` file may set any key of :class:`smptk.parallel.ParallelConfig`; ``activation_checkpointing``
+(with ``sm_activation_offloading``) and ``delayed_parameter_initialization`` apply to the model (see
+``build``).
+
 Run (CPU: gloo and PyTorch kernels; GPUs: NCCL, bf16 parameters with fp32 reduction)::
 
     torchrun --standalone --nproc-per-node 2 examples/parallel_llama.py --tp 2
@@ -79,6 +83,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -163,9 +170,16 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg["layers"])])
         self.norm = RMSNorm(cfg["hidden"], cfg["norm_eps"])
         self.lm_head = nn.Linear(cfg["hidden"], cfg["vocab"], bias=False)
+        self.cfg = cfg
         cos, sin = rope_tables(SEQ, cfg["hidden"] // cfg["heads"], cfg["rope_theta"])
         self.register_buffer("rope_cos", cos, persistent=False)  # derived: not in checkpoints
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The rotary tables again: ``materialize`` (delayed initialization) allocates buffers empty."""
+        cos, sin = rope_tables(SEQ, self.cfg["hidden"] // self.cfg["heads"], self.cfg["rope_theta"])
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]
@@ -196,12 +210,23 @@ def check_model_config(cfg: dict, tp: int) -> None:
 
 
 def build(state, device: torch.device, seed: int, lr: float):
-    """The parallelized model and its AdamW; parameters drawn from ``seed`` (the same on every rank)."""
+    """The parallelized model and its AdamW; parameters drawn from ``seed`` (the same on every rank).
+
+    The config's ``activation_checkpointing`` (with ``sm_activation_offloading``) applies to the blocks;
+    with ``delayed_parameter_initialization`` the model is built on the meta device, parallelized there,
+    and ``materialize`` then gives each rank its shards, drawn from ``random_seed`` (not ``seed``).
+    """
+    delayed = state.config.delayed_parameter_initialization
     torch.manual_seed(seed)
-    with device:
+    with torch.device("meta") if delayed else device:
         model = Llama(MODEL)
     parallelize_module(model, state.submesh("tp"), tp_plan(MODEL["layers"]))
+    blocks = sp.apply_activation_checkpointing(model, state)
     model, report = apply_data_parallel(model, state)
+    if delayed:
+        sp.materialize(model, state, device=device)
+    if blocks:
+        say(f"activation checkpointing ({state.config.activation_checkpointing}): {len(blocks)} blocks")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     return model, opt, report
 

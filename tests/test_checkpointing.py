@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 
 import pytest
 import torch
@@ -297,6 +298,38 @@ def test_materialize_meta_model(world1) -> None:
         q = q.full_tensor() if hasattr(q, "full_tensor") else q
         assert torch.equal(p, q), name
     assert torch.isfinite(model.body.blocks[0].norm.weight).all()
+
+
+def test_delayed_init_key_warns_about_a_real_model(world1) -> None:
+    """delayed_parameter_initialization set (world1's config) and a model built with real parameters:
+    apply_data_parallel says so; a meta-built model passes without a warning."""
+    from smptk.parallel.fsdp import apply_data_parallel
+
+    with pytest.warns(UserWarning, match=r"delayed_parameter_initialization is set, but .* allocated"):
+        apply_data_parallel(_model(), world1)
+    with torch.device("meta"):
+        model = WithTP(device="meta")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*delayed_parameter_initialization")
+        model, _ = apply_data_parallel(model, world1)
+    assert materialize(model, world1) > 0
+
+
+def test_materialize_refuses_a_module_it_cannot_initialize(world1) -> None:
+    """A module with a parameter of its own and no reset_parameters (a hand-written norm, say) would keep
+    to_empty's uninitialized memory (the example's RMSNorm did: NaN losses): refused, naming it, before
+    anything is allocated."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scale())
+    with pytest.raises(ValueError, match=r"model: 1 hold parameters or buffers but have no reset_parameters"):
+        materialize(model, world1)
+    assert all(p.is_meta for p in model.parameters()), "nothing was allocated"
 
 
 def test_materialize_rejects_a_real_model(world1) -> None:

@@ -10,6 +10,7 @@ checkpoint and resume it exactly, then 2 processes without TP resume that checkp
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -133,6 +134,26 @@ def test_parallel_llama_resumes_its_checkpoint_under_another_config(llama_tp2_dp
     assert [s for s, _ in resumed] == [3, 4, 5], proc.stdout
     for s, v in resumed:
         assert v == pytest.approx(first[s], rel=1e-5, abs=0), (s, v, first[s], proc.stdout)
+
+
+def test_parallel_llama_config_keys_apply_and_keep_the_losses(llama_tp2_dp2, tmp_path):
+    """The same TP 2 x DP 2 run from a --config file that also asks for full activation checkpointing with
+    offloading and delayed initialization: the example applies them (it used to ignore them silently),
+    and the losses are the plain run's exactly (recompute repeats the arithmetic; materialize draws the
+    values the eager build drew, FSDP-sharded torch layers included)."""
+    _, out4 = llama_tp2_dp2
+    precision = "bf16" if torch.cuda.is_available() else "fp32"  # what the plain run's --tp 2 takes
+    config = {"tensor_parallel_degree": 2, "mixed_precision": precision, "activation_checkpointing": "full"}
+    config |= {"sm_activation_offloading": True, "delayed_parameter_initialization": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    proc = _torchrun(4, "--config", str(path), "--steps", "6", "--save-at", "3", "--ckpt-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "activation checkpointing (full): 2 blocks" in proc.stdout, proc.stdout
+    tol = 0.0 if not torch.cuda.is_available() else 1e-3
+    got, want = _losses(proc.stdout), _losses(out4)
+    assert [s for s, _ in got] == [s for s, _ in want], proc.stdout
+    assert all(abs(a - b) <= tol * abs(b) for (_, a), (_, b) in zip(got, want, strict=True)), (got, want)
 
 
 # --- examples/transform_hf.py under torchrun ----------------------------------------------------------

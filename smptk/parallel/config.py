@@ -162,6 +162,8 @@ class ParallelConfig:
         delayed_parameter_initialization: build the model on the meta device and materialize each
             parameter shard on its rank, so no rank ever holds the full model: build under
             ``torch.device("meta")``, parallelize, then :func:`smptk.parallel.materialize`.
+            :func:`~smptk.parallel.apply_data_parallel` warns when it is set and the model it gets holds
+            real parameters (the full model was allocated, which the key exists to avoid).
         mixed_precision: parameter / compute dtype, "bf16" (default), "fp16" or "fp32".
         comm_max_sms: SMs (programs) per smptk collective, 0..256; None keeps ``smptk.comm``'s setting
             (SMPTK_COMM_MAX_SMS, default 8); 0 = copy engines where the collective has that path.

@@ -21,7 +21,10 @@ keeps its piece, so the module and every later one get the unsharded model's val
 equal a checkpoint, load it afterwards
 (:func:`~smptk.parallel.load_full_state_dict` or :func:`~smptk.parallel.load_checkpoint`). Buffers come
 back uninitialized unless their module's ``reset_parameters`` refills them (torch's norms do): a module
-with a computed buffer (a rotary table, say) must recompute it there, or the caller afterwards.
+with a computed buffer (a rotary table, say) must recompute it there. A module that holds parameters or
+buffers of its own and has no ``reset_parameters`` is refused before anything is allocated (its values
+would be whatever memory ``to_empty`` gave), unless ``allow_uninitialized=True`` says a checkpoint load
+follows.
 
 Example::
 
@@ -51,7 +54,11 @@ def _device(state: ParallelState) -> torch.device:
 
 
 def materialize(
-    model: nn.Module, state: ParallelState | None = None, *, device: torch.device | str | None = None
+    model: nn.Module,
+    state: ParallelState | None = None,
+    *,
+    device: torch.device | str | None = None,
+    allow_uninitialized: bool = False,
 ) -> int:
     """Give a meta-built (and possibly sharded) ``model`` memory and initial values; see the module
     docstring. Collective only in what ``reset_parameters`` does (nothing for torch's and smptk's layers).
@@ -61,12 +68,18 @@ def materialize(
         state: the :func:`smptk.parallel.init` state (default :func:`~smptk.parallel.current`): its device
             type and ``seed_for()``.
         device: where to allocate (default: the state's device; CUDA: the current device).
+        allow_uninitialized: allow modules that hold parameters or buffers and have no
+            ``reset_parameters`` (a Hugging Face model's norms), whose values stay uninitialized memory:
+            for a caller that loads a checkpoint next (:func:`~smptk.parallel.load_hf_state_dict`,
+            :func:`~smptk.parallel.load_full_state_dict`, :func:`~smptk.parallel.load_checkpoint`).
 
     Returns:
         The number of modules whose ``reset_parameters`` ran.
 
     Raises:
-        ValueError: a parameter or buffer is not on the meta device (materializing would discard its values).
+        ValueError: a parameter or buffer is not on the meta device (materializing would discard its
+            values), or a module holding parameters or buffers has no ``reset_parameters`` (nothing would
+            give them values); raised before anything is allocated.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -77,6 +90,19 @@ def materialize(
         raise ValueError(
             f"model: {shown} not on the meta device; materialize() allocates a meta-built model (build it "
             "under torch.device('meta')) and would discard these values"
+        )
+    silent = [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if next(iter((*m.parameters(recurse=False), *m.buffers(recurse=False))), None) is not None
+        and not callable(getattr(m, "reset_parameters", None))
+    ]
+    if silent and not allow_uninitialized:
+        shown = ", ".join(silent[:3]) + (f" and {len(silent) - 3} more" if len(silent) > 3 else "")
+        raise ValueError(
+            f"model: {shown} hold parameters or buffers but have no reset_parameters(), through which "
+            "materialize() gives them values (they would keep uninitialized memory); define one, or pass "
+            "allow_uninitialized=True when a checkpoint is loaded next"
         )
     target = torch.device(device) if device is not None else _device(state)
     model.to_empty(device=target)

@@ -64,6 +64,7 @@ Example (every rank, under torchrun)::
 import collections
 import dataclasses
 import importlib.util
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -382,6 +383,13 @@ def apply_data_parallel(
     state = _check_args(model, state, reshard_after_forward, use_smptk_collectives)
     sizes = state.sizes
     cfg = state.config
+    if cfg.delayed_parameter_initialization and any(not p.is_meta for p in model.parameters()):
+        warnings.warn(
+            "apply_data_parallel: delayed_parameter_initialization is set, but the model's parameters are "
+            "allocated already (every rank built the full model): build it under torch.device('meta'), "
+            "then call smptk.parallel.materialize(model, state) after apply_data_parallel",
+            stacklevel=2,
+        )
     mode = (
         "replicate"
         if sizes["dp_shard"] == 1

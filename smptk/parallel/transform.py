@@ -508,7 +508,8 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     """Load a Hugging Face state dict into a transformed model, each rank keeping its shards (collective).
 
     For models too large to load whole on every rank: build the Hugging Face model under
-    ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it, then call this
+    ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it (with
+    ``allow_uninitialized=True``: a Hugging Face model's norms have no ``reset_parameters``), then call this
     with the checkpoint's state dict on rank 0 (``safetensors.torch.load_file``...) and None elsewhere.
     Rank 0's tensors are put in smptk's layout (:func:`smptk_layout`) and broadcast one at a time
     (:func:`smptk.parallel.load_full_state_dict`, strict: every parameter must be there). The rotary
@@ -520,7 +521,7 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
         >>> with torch.device("meta"):
         ...     model = transformers.AutoModelForCausalLM.from_config(config)
         >>> model, report = sp.transform(model, {"tensor_parallel_degree": 8})
-        >>> sp.materialize(model)
+        >>> sp.materialize(model, allow_uninitialized=True)
         >>> sp.load_hf_state_dict(model, load_file("model.safetensors") if rank == 0 else None)
     """
     from smptk.parallel.dcp import load_full_state_dict
