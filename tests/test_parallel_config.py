@@ -80,6 +80,17 @@ def test_dict_dataclass_and_json_sources(tmp_path) -> None:
     assert ParallelConfig.from_any(partial) == ParallelConfig(tensor_parallel_degree=4)
 
 
+def test_json_with_a_repeated_key_or_given_as_text_is_refused(tmp_path) -> None:
+    """A key given twice in the file (json keeps the last one silently) and JSON text passed where a path
+    goes (it used to say only "No such file or directory: '{...}'") raise, saying what is wrong."""
+    path = tmp_path / "twice.json"
+    path.write_text('{"tensor_parallel_degree": 2, "random_seed": 1, "tensor_parallel_degree": 4}')
+    with pytest.raises(ValueError, match=r"key 'tensor_parallel_degree' is given more than once"):
+        ParallelConfig.from_any(path)
+    with pytest.raises(FileNotFoundError, match=r"is JSON text, not a file path; pass a dict"):
+        ParallelConfig.from_any('{"tensor_parallel_degree": 2}')
+
+
 def test_activation_checkpointing_bools_become_policies() -> None:
     assert ParallelConfig(activation_checkpointing=True).activation_checkpointing == "full"
     assert ParallelConfig(activation_checkpointing=False).activation_checkpointing == "none"

@@ -231,10 +231,24 @@ class ParallelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> ParallelConfig:
-        """A config from a JSON file holding one object of keys."""
-        text = Path(path).read_text()
+        """A config from a JSON file holding one object of keys (a key given twice is refused)."""
+        file = Path(path)
+        if not file.is_file() and os.fspath(path).lstrip().startswith("{"):
+            raise FileNotFoundError(
+                f"config: {os.fspath(path)[:60]!r} is JSON text, not a file path; pass a dict "
+                "(json.loads(text)) or the path of a JSON file"
+            )
+        text = file.read_text()
+
+        def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            keys = [k for k, _ in pairs]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"config file {os.fspath(path)!r}: key {twice[0]!r} is given more than once")
+            return dict(pairs)
+
         try:
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=no_repeats)
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
         if not isinstance(values, dict):
