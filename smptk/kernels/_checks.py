@@ -53,10 +53,11 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
 
     Inside ``torch.autocast(device_type, dtype)`` a linear op runs in ``dtype`` whatever its inputs' dtype
     (fp32 master weights with bf16 compute is the usual case); outside autocast inputs pass unchanged, as
-    they do on devices autocast does not exist for (``meta``: asking would raise).
+    they do on ``meta``, which has no autocast (asking would raise). The check is one Dynamo traces on
+    torch 2.11 as well (its ``torch.amp.is_autocast_available`` is a builtin Dynamo cannot trace).
     """
     device_type = tensors[0].device.type  # the caller has checked that the first one is a tensor
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)

@@ -189,7 +189,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@functools.cache
 def _findable() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None
@@ -197,11 +196,16 @@ def _findable() -> bool:
         return False
 
 
+# Whether the import system finds triton, asked once, here (find_spec imports nothing): a constant that
+# torch.compile reads, where torch 2.11's Dynamo refuses to trace find_spec behind a functools.cache
+_FINDABLE = _findable()
+
+
 def available() -> bool:
     """True when the ``triton`` package imports here; asks the import system where it is, without importing
     it (after the import, whether it worked)."""
     loaded = _LOADED.get("HAVE_TRITON")
-    return _findable() if loaded is None else loaded
+    return _FINDABLE if loaded is None else loaded
 
 
 def interpreter_at_import() -> bool | None:
