@@ -19,6 +19,7 @@ import doctest
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import skip_unless_triton_on_cpu
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,6 +107,85 @@ def test_fake_tensors_get_shapes_without_a_launch(name: str, monkeypatch: pytest
     with fake:
         out = fn(*[fake.from_tensor(t) for t in inputs])
     assert out.shape == want
+
+
+class _Outputs(TorchDispatchMode):
+    """Runs every op and records each smptk op's outputs' sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.name().startswith("smptk::"):
+            self.sizes[func.name()] = [t.numel() for t in out]
+        return out
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_no_grad_writes_no_saved_activation(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.no_grad()`` (parameters still requiring grad, the usual inference) the forward writes
+    no pre-activation / gate-up buffer for backward: its second output is empty. It used to write it,
+    since a Function's ``needs_input_grad`` follows requires_grad whatever the grad mode."""
+    skip_unless_triton_on_cpu(monkeypatch)
+    op, fn, inputs = _calls()[name]
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    for grad_mode, saved in ((True, True), (False, False)):
+        with torch.set_grad_enabled(grad_mode), _Outputs() as seen:
+            out = fn(*leaves)
+        assert out.requires_grad == grad_mode
+        assert (seen.sizes[op][1] > 0) == saved, (grad_mode, seen.sizes)
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+@pytest.mark.parametrize("frozen", ["x", "weights"])
+def test_unread_inputs_are_not_saved(name: str, frozen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x is saved only for the weights' gradient and the weights only for x's, as F.linear does: with the
+    weights frozen (adapter fine-tuning) x's memory is not kept for backward, with x frozen the weights are
+    not; the gradients equal the ones computed with everything trainable."""
+    skip_unless_triton_on_cpu(monkeypatch)
+    _, fn, inputs = _calls()[name]
+    trainable = [t.clone().requires_grad_() for t in inputs]
+    want = torch.autograd.grad(fn(*trainable).square().sum(), trainable)
+    learns = [frozen == "weights"] + [frozen == "x"] * (len(inputs) - 1)
+    leaves = [t.clone().requires_grad_(learn) for t, learn in zip(inputs, learns, strict=True)]
+    kept = set()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.add(t.data_ptr()) or t, lambda t: t):
+        out = fn(*leaves)
+    unread = leaves[:1] if frozen == "weights" else leaves[1:]  # what no gradient asked for reads
+    assert not kept & {t.data_ptr() for t in unread}, "an input no gradient reads was saved for backward"
+    got = torch.autograd.grad(out.square().sum(), [t for t in leaves if t.requires_grad])
+    for g, w in zip(got, [w for w, learn in zip(want, learns, strict=True) if learn], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_inputs_with_a_trainable_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """x and weight made under inference_mode, only the bias trainable: the bias gradient comes back, as
+    with F.linear (saving x and weight, which no gradient reads, used to raise "Inference tensors cannot be
+    saved for backward")."""
+    skip_unless_triton_on_cpu(monkeypatch)
+    _, fn, (x, w, b) = _calls()["fused_linear"]
+    with torch.inference_mode():
+        x, w = x.clone(), w.clone()
+    b = b.clone().requires_grad_()
+    (db,) = torch.autograd.grad(fn(x, w, b).square().sum(), b)
+    ref = b.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(F.gelu(F.linear(x, w, ref)).square().sum(), ref)
+    torch.testing.assert_close(db, want, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_one_trainable_weight_gets_a_gradient_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only weight_gate trainable, its gradient is its own ``[N, K]`` (it was a view of a ``[2N, K]``
+    buffer holding the frozen weight_up's too, and the GEMM computed both)."""
+    skip_unless_triton_on_cpu(monkeypatch)
+    _, fn, (x, wg, wu) = _calls()["swiglu"]
+    wg = wg.clone().requires_grad_()
+    fn(x, wg, wu).square().sum().backward()
+    ref = wg.detach().clone().requires_grad_()
+    (F.silu(x @ ref.T) * (x @ wu.T)).square().sum().backward()
+    assert wg.grad.untyped_storage().nbytes() == wg.numel() * wg.element_size()
+    torch.testing.assert_close(wg.grad, ref.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(_calls()))

@@ -205,6 +205,26 @@ def test_partial_grads(monkeypatch, device, path, dtype, wants):
     assert set(got) == {"out"} | {f"d{name}" for name in wants}
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_relu_keeps_nan(monkeypatch, path):
+    """A NaN in x or the bias stays NaN through relu, forward and backward, as with torch.relu (the Triton
+    epilogue's max(z, 0) returned 0 for NaN, hiding it from any NaN check)."""
+    use_path(monkeypatch, path, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((4, 12), (5, 12), (5,)))
+    x[1, 4], b[0] = float("nan"), float("nan")
+    ours = [t.clone().requires_grad_() for t in (x, w, b)]
+    ref = [t.clone().requires_grad_() for t in (x, w, b)]
+    y = fused_linear(*ours, activation="relu")
+    want = torch.relu(torch.nn.functional.linear(*ref))
+    assert y.isnan().sum() == want.isnan().sum() > 0
+    torch.testing.assert_close(y, want, equal_nan=True, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    for got, exp in zip(ours, ref, strict=True):
+        torch.testing.assert_close(got.grad, exp.grad, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("device", "path", "dtype"), DEVICE_PATH_DTYPE)
 def test_no_bias_no_bias_grad(monkeypatch, device, path, dtype):
     """bias=None: backward runs and gives dx and dweight; a bias that does not require grad gets none."""

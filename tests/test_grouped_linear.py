@@ -388,7 +388,7 @@ def test_unchecked_offsets_stay_in_bounds(monkeypatch, bad, clamped):
     x.requires_grad_()
     w.requires_grad_()
     want = grouped_linear(x, w, offsets, bias=b, activation="silu")
-    got = GroupedLinearFunction.apply(x, w, torch.tensor(bad), b, 4)  # 4 = silu
+    got = GroupedLinearFunction.apply(x, w, torch.tensor(bad), b, 4, True)  # 4 = silu
     assert torch.equal(got, want)
     g = torch.ones_like(want)
     assert torch.equal(torch.autograd.grad(got, w, g)[0], torch.autograd.grad(want, w, g)[0])
@@ -414,8 +414,8 @@ def test_rows_of_no_expert_are_never_written(monkeypatch, op):
 
     def run(x_, offsets):
         if op == "linear":  # below the public checks, which reject offsets[-1] != T on CPU
-            return GroupedLinearFunction.apply(x_, weights[0], offsets, weights[1], 2)  # 2 = gelu
-        return GroupedSwiGLUFunction.apply(x_, *weights, offsets)
+            return GroupedLinearFunction.apply(x_, weights[0], offsets, weights[1], 2, True)  # 2 = gelu
+        return GroupedSwiGLUFunction.apply(x_, *weights, offsets, True)
 
     offsets = _offsets(counts, "cpu")
     results = []

@@ -130,6 +130,25 @@ def test_ties_go_to_the_lower_id(monkeypatch, path, score_func):
     assert check_route(row, 4, score_func=score_func).expert_ids.tolist() == [[1, 2, 4, 0]] * 3
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_keys_come_after_every_number(monkeypatch, path):
+    """A NaN selection key (a diverged expert_bias entry; a NaN logit under sigmoid) is picked only after
+    every number, then NaN keys by id, on both paths: the PyTorch path's sort put NaN first, so every token
+    went to the NaN expert (and under sigmoid got NaN weights) where the kernel routed around it."""
+    use_path(monkeypatch, path, "cpu")
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, 0.0]]).repeat(3, 1)
+    bias = torch.tensor([float("nan"), 0.0, 0.0, float("nan"), 0.0])
+    r = moe_route(logits, 5, expert_bias=bias)
+    assert r.expert_ids.tolist() == [[1, 2, 4, 0, 3]] * 3
+    assert r.tokens_per_expert.tolist() == [3] * 5
+    r = moe_route(logits, 2, expert_bias=bias)
+    assert r.expert_ids.tolist() == [[1, 2]] * 3 and bool(torch.isfinite(r.weights).all())
+    nan_logit = logits.clone()
+    nan_logit[:, 1] = float("nan")
+    r = moe_route(nan_logit, 2, score_func="sigmoid")
+    assert r.expert_ids.tolist() == [[2, 0]] * 3 and bool(torch.isfinite(r.weights).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("path", PATHS)
 def test_many_ties_low_precision(monkeypatch, path, dtype):

@@ -52,7 +52,7 @@ from smptk.comm import functional
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import check_activation, check_float_tensor, check_same, check_weight
-from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, grads_wanted, none_if_empty
 from smptk.kernels._triton import kernel_module
 
 _gc = kernel_module("smptk.kernels._gemm_comm")
@@ -185,8 +185,8 @@ class _AllGatherLinear(torch.autograd.Function):
     """Fused forward, unfused backward (see the module docstring); inputs checked, x contiguous 2-D."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms, want_gathered: bool):
-        save_z = act != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
+    def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms, want_gathered: bool, grad_on: bool):
+        save_z = act != _epilogue.ACT_NONE and any(grads_wanted(ctx, grad_on, 3))
         out, gathered, z = _all_gather_linear_fwd(
             x, w, bias, act, save_z, want_gathered, g.group_name, programs
         )
@@ -220,7 +220,7 @@ class _AllGatherLinear(torch.autograd.Function):
         elif need_dx:
             dx = dx_full.new_empty((dx_full.shape[0] // world, dx_full.shape[1]))
             _coll.reduce_scatter_tensor(dx, dx_full, "sum", ctx.group, max_sms=ctx.max_sms)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def all_gather_linear(
@@ -276,7 +276,8 @@ def all_gather_linear(
     if why is None:
         act = _epilogue.ACTIVATION_CODES[activation]
         want = gathered_out is not None
-        out, gathered = _AllGatherLinear.apply(x, weight_local, bias, act, g, programs, max_sms, want)
+        args = (x, weight_local, bias, act, g, programs, max_sms, want, torch.is_grad_enabled())
+        out, gathered = _AllGatherLinear.apply(*args)
         if gathered_out is not None:
             gathered_out.copy_(gathered)
         return out, "fused"

@@ -134,6 +134,21 @@ def first_derivative_only(name: str, torch_path: bool = False) -> Callable[[Call
     return decorate
 
 
+def grads_wanted(ctx, grad_enabled: bool, n: int) -> tuple[bool, ...]:
+    """Which of an autograd Function's first ``n`` inputs backward will differentiate, decided in its
+    ``forward``: ``ctx.needs_input_grad``, or none when the caller ran under ``torch.no_grad()``
+    (``grad_enabled``: ``torch.is_grad_enabled()`` read before ``apply``; inside ``forward`` grad mode is
+    always off, and ``needs_input_grad`` follows ``requires_grad`` whatever the grad mode)."""
+    return tuple(grad_enabled and bool(flag) for flag in ctx.needs_input_grad[:n])
+
+
+def saved_if(t: torch.Tensor, needed: bool) -> torch.Tensor:
+    """``t`` to save for backward when ``needed``; else a stand-in with its shape, dtype and device that
+    holds one element (a scalar expanded), for a backward that reads only those: an input only another
+    input's gradient reads is not kept alive (x with a frozen weight, as torch's own linear does)."""
+    return t if needed else t.new_empty(()).expand(t.shape)
+
+
 def none_if_empty(t: torch.Tensor, made: bool) -> torch.Tensor | None:
     """An op's optional output back to None where the forward did not make it (``made`` false)."""
     return t if made else None

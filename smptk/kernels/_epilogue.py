@@ -56,7 +56,7 @@ _DH_BLOCK_INTERPRETER = {"BLOCK_M": 16, "BLOCK_N": 32}
 def activation_fwd(z, ACTIVATION: tl.constexpr):
     """act(z) for fp32 ``z``. gelu_tanh uses 0.5*z*(1 + tanh(u)) == z * sigmoid(2u) (no tanh intrinsic)."""
     if ACTIVATION == 1:
-        z = tl.maximum(z, 0.0)
+        z = tl.where(z < 0.0, 0.0, z)  # NaN stays NaN, as torch.relu (tl.maximum returned 0 for it)
     elif ACTIVATION == 2:
         z = 0.5 * z * (1.0 + tl.math.erf(z * _SQRT1_2))
     elif ACTIVATION == 3:
@@ -71,7 +71,7 @@ def activation_fwd(z, ACTIVATION: tl.constexpr):
 def activation_grad(z, ACTIVATION: tl.constexpr):
     """d act(z) / dz for fp32 ``z`` (1 for no activation)."""
     if ACTIVATION == 1:
-        g = tl.where(z > 0.0, 1.0, 0.0)
+        g = tl.where(z <= 0.0, 0.0, 1.0)  # 1 at NaN: torch's relu backward passes the gradient there
     elif ACTIVATION == 2:
         g = 0.5 * (1.0 + tl.math.erf(z * _SQRT1_2)) + z * tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
     elif ACTIVATION == 3:

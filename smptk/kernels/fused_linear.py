@@ -46,7 +46,13 @@ from smptk.kernels._checks import (
     check_same,
     check_weight,
 )
-from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
+from smptk.kernels._dispatch import (
+    dispatcher_op,
+    first_derivative_only,
+    grads_wanted,
+    none_if_empty,
+    saved_if,
+)
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -104,10 +110,12 @@ class FusedLinearFunction(torch.autograd.Function):
     """Autograd wrapper over the Triton forward and backward (inputs already checked and 2-D)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_NK, bias_N, activation: int):
-        save_z = activation != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:3])
+    def forward(ctx, x_MK, w_NK, bias_N, activation: int, grad_enabled: bool):
+        ctx.needs = needs = grads_wanted(ctx, grad_enabled, 3)
+        save_z = activation != _epilogue.ACT_NONE and any(needs)
         y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z)
-        ctx.save_for_backward(x_MK, w_NK, none_if_empty(z, save_z))
+        # x only for dw, w only for dx (frozen weights: x is not kept, as with F.linear)
+        ctx.save_for_backward(saved_if(x_MK, needs[1]), saved_if(w_NK, needs[0]), none_if_empty(z, save_z))
         ctx.activation = activation
         return y
 
@@ -115,9 +123,8 @@ class FusedLinearFunction(torch.autograd.Function):
     @first_derivative_only("fused_linear", torch_path=True)
     def backward(ctx, dy_MN):
         x_MK, w_NK, z = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        dx, dw, db = fused_linear_bwd(dy_MN, x_MK, w_NK, z, ctx.activation, needs)
-        return dx, dw, db, None
+        dx, dw, db = fused_linear_bwd(dy_MN, x_MK, w_NK, z, ctx.activation, ctx.needs)
+        return dx, dw, db, None, None
 
 
 _TORCH_ACTIVATIONS = {
@@ -178,5 +185,6 @@ def fused_linear(
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the epilogue reads bias as a contiguous [N] vector
-    y = FusedLinearFunction.apply(x_MK, weight, bias, _epilogue.ACTIVATION_CODES[activation])
+    act = _epilogue.ACTIVATION_CODES[activation]
+    y = FusedLinearFunction.apply(x_MK, weight, bias, act, torch.is_grad_enabled())
     return y.view(*lead, weight.shape[0])

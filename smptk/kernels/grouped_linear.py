@@ -73,7 +73,13 @@ from smptk.kernels._checks import (
     check_input,
     check_same,
 )
-from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
+from smptk.kernels._dispatch import (
+    dispatcher_op,
+    first_derivative_only,
+    grads_wanted,
+    none_if_empty,
+    saved_if,
+)
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -132,10 +138,14 @@ class GroupedLinearFunction(torch.autograd.Function):
     """Autograd over the Triton forward and backward (inputs checked, offsets int64 contiguous)."""
 
     @staticmethod
-    def forward(ctx, x_TK, w_ENK, offsets, bias_EN, activation: int):
-        save_z = activation != _epilogue.ACT_NONE and any(ctx.needs_input_grad[:4])
+    def forward(ctx, x_TK, w_ENK, offsets, bias_EN, activation: int, grad_enabled: bool):
+        ctx.needs = needs = grads_wanted(ctx, grad_enabled, 4)
+        save_z = activation != _epilogue.ACT_NONE and any(needs)
         y, z = grouped_linear_fwd(x_TK, w_ENK, offsets, bias_EN, activation, save_z)
-        ctx.save_for_backward(x_TK, w_ENK, offsets, none_if_empty(z, save_z))
+        # x only for dw, w only for dx (as in fused_linear); z (or dy) gives db
+        ctx.save_for_backward(
+            saved_if(x_TK, needs[1]), saved_if(w_ENK, needs[0]), offsets, none_if_empty(z, save_z)
+        )
         ctx.activation = activation
         return y
 
@@ -143,7 +153,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     @first_derivative_only("grouped_linear", torch_path=True)
     def backward(ctx, dy_TN):
         x_TK, w_ENK, offsets, z = ctx.saved_tensors
-        need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
+        need_dx, need_dw, _, need_db = ctx.needs
         dz, _ = _epilogue.activation_backward(dy_TN, z, ctx.activation, False, w_ENK.dtype)
         dx = dw = db = None
         if need_dx:
@@ -158,24 +168,27 @@ class GroupedLinearFunction(torch.autograd.Function):
             db = new_buffer(w_ENK.shape[:2], w_ENK.dtype, w_ENK.device)
         if need_dw or need_db:
             _gemm.grouped_weight_grad(dz, x_TK, offsets, dw, db)
-        return dx, dw, None, db, None
+        return dx, dw, None, db, None, None
 
 
 class GroupedSwiGLUFunction(torch.autograd.Function):
     """Autograd over the Triton forward and backward (inputs checked, offsets int64 contiguous)."""
 
     @staticmethod
-    def forward(ctx, x_TK, wg_ENK, wu_ENK, offsets):
-        save_h = any(ctx.needs_input_grad[:3])
+    def forward(ctx, x_TK, wg_ENK, wu_ENK, offsets, grad_enabled: bool):
+        ctx.needs = needs = grads_wanted(ctx, grad_enabled, 3)
+        save_h = any(needs)
         y, h = grouped_swiglu_fwd(x_TK, wg_ENK, wu_ENK, offsets, save_h)
-        ctx.save_for_backward(x_TK, wg_ENK, wu_ENK, offsets, none_if_empty(h, save_h))
+        need_x, need_w = needs[1] or needs[2], needs[0]  # x only for the weights' gradients, w only for dx
+        saved = (saved_if(x_TK, need_x), saved_if(wg_ENK, need_w), saved_if(wu_ENK, need_w))
+        ctx.save_for_backward(*saved, offsets, none_if_empty(h, save_h))
         return y
 
     @staticmethod
     @first_derivative_only("grouped_swiglu", torch_path=True)
     def backward(ctx, dy_TN):
         x_TK, wg_ENK, wu_ENK, offsets, h = ctx.saved_tensors
-        need_dx, need_dwg, need_dwu = ctx.needs_input_grad[:3]
+        need_dx, need_dwg, need_dwu = ctx.needs
         N = wg_ENK.shape[1]
         dh = _epilogue.swiglu_dh(dy_TN, h)
         dx = dwg = dwu = None
@@ -191,7 +204,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
             _gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
             dwg = dw[:, :N] if need_dwg else None
             dwu = dw[:, N:] if need_dwu else None
-        return dx, dwg, dwu, None
+        return dx, dwg, dwu, None, None
 
 
 # --- checks and the PyTorch path ------------------------------------------------------------------------
@@ -316,7 +329,8 @@ def grouped_linear(
         )
     if bias is not None and bias.stride(1) != 1:
         bias = bias.contiguous()  # the epilogue reads bias rows as contiguous [N] vectors
-    return GroupedLinearFunction.apply(x, weight, offsets, bias, _epilogue.ACTIVATION_CODES[activation])
+    act = _epilogue.ACTIVATION_CODES[activation]
+    return GroupedLinearFunction.apply(x, weight, offsets, bias, act, torch.is_grad_enabled())
 
 
 def grouped_swiglu(
@@ -351,4 +365,4 @@ def grouped_swiglu(
         return _per_expert(
             x, offsets, lambda e, xe: F.silu(F.linear(xe, weight_gate[e])) * F.linear(xe, weight_up[e])
         )
-    return GroupedSwiGLUFunction.apply(x, weight_gate, weight_up, offsets)
+    return GroupedSwiGLUFunction.apply(x, weight_gate, weight_up, offsets, torch.is_grad_enabled())

@@ -68,6 +68,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -245,8 +246,13 @@ def _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias) -> MoE
         score = torch.sigmoid(s)
         q = score / score.sum(dim=-1, keepdim=True)
     sel = score.detach() if expert_bias is None else score.detach() + expert_bias.float()
-    # A stable descending sort keeps equal keys in index order: ties go to the lower id.
-    ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    # As the kernel picks: the largest number first, ties to the lower id (a stable descending sort keeps
+    # equal keys in index order), a NaN key only after every number (torch's sort puts NaN first), then NaN
+    # keys by id. Two stable sorts: by key, then by NaN-ness.
+    nan = sel.isnan()
+    by_key = torch.sort(sel.masked_fill(nan, -math.inf), dim=-1, descending=True, stable=True).indices
+    by_nan = torch.sort(nan.gather(1, by_key).to(torch.uint8), dim=-1, stable=True).indices
+    ids = by_key.gather(1, by_nan)[:, :top_k]
     weights = score.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import autocast_inputs, check_input, check_weight
-from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, none_if_empty
+from smptk.kernels._dispatch import (
+    dispatcher_op,
+    first_derivative_only,
+    grads_wanted,
+    none_if_empty,
+    saved_if,
+)
 from smptk.kernels._triton import kernel_module
 
 # The GEMM engine and its elementwise kernels, imported (with triton) on the first Triton-path call: see
@@ -82,13 +88,15 @@ def swiglu_bwd(
         else:
             _gemm.matmul(dh[:, :N], wg_NK, dx, a2_MK=dh[:, N:], b2_KN=wu_NK)
     if need_dwg or need_dwu:
-        dw = new_buffer((2 * N, x_MK.shape[1]), wg_NK.dtype, wg_NK.device)
+        # both: [dw_gate | dw_up] in one GEMM (x read once); one: only its half (a frozen other weight)
+        rows = slice(0, 2 * N) if need_dwg and need_dwu else slice(0, N) if need_dwg else slice(N, 2 * N)
+        dw = new_buffer((rows.stop - rows.start, x_MK.shape[1]), wg_NK.dtype, wg_NK.device)
         if M == 0:
             dw.zero_()
         else:
-            _gemm.matmul(dh.t(), x_MK, dw)
+            _gemm.matmul(dh[:, rows].t(), x_MK, dw)
         dwg = dw[:N] if need_dwg else None
-        dwu = dw[N:] if need_dwu else None
+        dwu = dw[-N:] if need_dwu else None
     return dx, dwg, dwu
 
 
@@ -96,17 +104,21 @@ class SwiGLUFunction(torch.autograd.Function):
     """Autograd wrapper over the Triton forward and backward (inputs already checked and 2-D)."""
 
     @staticmethod
-    def forward(ctx, x_MK, wg_NK, wu_NK):
-        save_h = any(ctx.needs_input_grad)
+    def forward(ctx, x_MK, wg_NK, wu_NK, grad_enabled: bool):
+        ctx.needs = needs = grads_wanted(ctx, grad_enabled, 3)
+        save_h = any(needs)
         y, h = swiglu_fwd(x_MK, wg_NK, wu_NK, save_h)
-        ctx.save_for_backward(x_MK, wg_NK, wu_NK, none_if_empty(h, save_h))
+        need_x, need_w = needs[1] or needs[2], needs[0]  # x only for the weights' gradients, w only for dx
+        ctx.save_for_backward(
+            saved_if(x_MK, need_x), saved_if(wg_NK, need_w), saved_if(wu_NK, need_w), none_if_empty(h, save_h)
+        )
         return y
 
     @staticmethod
     @first_derivative_only("swiglu", torch_path=True)
     def backward(ctx, dy_MN):
         x_MK, wg_NK, wu_NK, h = ctx.saved_tensors
-        return swiglu_bwd(dy_MN, x_MK, wg_NK, wu_NK, h, tuple(ctx.needs_input_grad))
+        return (*swiglu_bwd(dy_MN, x_MK, wg_NK, wu_NK, h, ctx.needs), None)
 
 
 def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) -> torch.Tensor:
@@ -140,5 +152,6 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
     if runtime.select_path(x, weight_gate) == "torch":
         return F.silu(F.linear(x, weight_gate)) * F.linear(x, weight_up)
     lead = x.shape[:-1]
-    y = SwiGLUFunction.apply(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), weight_gate, weight_up)
+    x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    y = SwiGLUFunction.apply(x_MK, weight_gate, weight_up, torch.is_grad_enabled())
     return y.view(*lead, weight_gate.shape[0])

@@ -167,7 +167,8 @@ class ActivationOffloader:
         return self._streams[device]
 
     def _pack(self, unit: int, t: torch.Tensor):
-        if t.numel() == 0 or (t.device.type == "cpu" and not self.offload_cpu):
+        small = t.untyped_storage().nbytes() < t.numel() * t.element_size()  # expanded: e.g. a stand-in
+        if t.numel() == 0 or small or (t.device.type == "cpu" and not self.offload_cpu):
             return t  # nothing to move (torch 2.11's checkpoint also saves an empty placeholder tensor)
         if t.device.type == "cuda":
             store, _ = self._side_streams(t.device)
