@@ -651,6 +651,46 @@ def case_missing_rank(c: Case, world: int, rank: int, *, max_sms: int) -> None:
     c.equal("after reset()", y, torch.full((8,), float(sum(range(world)))))
 
 
+def case_missing_at_build(c: Case, world: int, rank: int) -> None:
+    """The first call on a new group builds its heap: ranks 0..W-2 call all_reduce on it, rank W-1 does not
+    come (it waits in a gloo barrier). The callers raise CommTimeoutError naming exactly [W-1] within
+    [timeout_s, 2 timeout_s] (the build's torch.distributed calls waited for gloo's own 30-minute timeout);
+    rank W-1, coming afterwards, raises at once naming the ranks that gave up (no one-sided success); then
+    every rank's next call builds the heap and runs."""
+    T = MISSING_TIMEOUT_S
+    missing, callers = world - 1, list(range(world - 1))
+    group = dist.new_group(list(range(world)))
+    comm.configure(timeout_s=T)
+    try:
+        if rank != missing:
+            start = time.monotonic()
+            call = lambda: comm.all_reduce(torch.ones(8), group=group)
+            problem = expect_raises(call, comm.CommTimeoutError, f"group rank(s) [{missing}] did not come")
+            took = time.monotonic() - start
+            if problem:
+                c.fail(f"callers: {problem}")
+            elif not T <= took <= 2 * T:
+                c.fail(f"raised after {took:.2f} s, expected between timeout_s={T} and {2 * T} s")
+        dist.barrier()
+        if rank == missing:
+            start = time.monotonic()
+            try:
+                comm.all_reduce(torch.ones(8), group=group)
+                c.fail("the late rank's call returned although its peers had given up")
+            except comm.CommTimeoutError as e:
+                if e.missing_ranks != callers or time.monotonic() - start > T:
+                    c.fail(f"late rank: missing_ranks {e.missing_ranks}, expected {callers}, at once: {e}")
+        dist.barrier()
+        y = torch.full((8,), float(rank))
+        comm.all_reduce(y, group=group)
+        c.path("after the failed build", "symmetric")
+        c.equal("after the failed build", y, torch.full((8,), float(sum(range(world)))))
+    finally:
+        comm.configure(timeout_s=JOB_TIMEOUT_S)
+        comm.reset(group)
+        dist.destroy_process_group(group)
+
+
 # ------------------------------------------------------------------------- calls that differ across ranks
 
 MISMATCH_LIMIT_S = 10.0  # a mismatch must be reported this fast: far below JOB_TIMEOUT_S, so not by timeout
@@ -861,6 +901,7 @@ def catalog(world: int) -> list[Spec]:
     # Last: these break the heap on purpose (then reset and rebuild it).
     for kind in MISMATCHES:
         add(f"mismatch-{kind}", case_mismatch, kind=kind)
+    add("missing_at_build", case_missing_at_build)
     add("missing_rank-max_sms1", case_missing_rank, max_sms=1)
     add("missing_rank-max_sms3", case_missing_rank, max_sms=3)
     return specs

@@ -145,13 +145,12 @@ def test_bad_input_raises_on_every_rank(world: int, cid: str) -> None:
 
 @pytest.mark.parametrize(
     ("world", "cid"),
-    cases(
-        "missing_rank",
-    ),
+    cases("missing_rank", "missing_at_build"),
 )
 def test_rank_that_never_calls(world: int, cid: str) -> None:
     """CommTimeoutError naming exactly the skipping rank within [timeout_s, 2 timeout_s]; then CommError
-    at once on the broken heap and from check(); reset() on every rank makes the group work again."""
+    at once on the broken heap and from check(); reset() on every rank makes the group work again. The
+    same when the missing call is the group's first, which builds its heap (a late rank raises too)."""
     assert_case(world, cid)
 
 

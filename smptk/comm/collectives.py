@@ -269,11 +269,54 @@ def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | Non
         return None
     per_group = _heaps.setdefault(group, {})
     if backend not in per_group:
+        _all_arrive(group, _current().timeout_s)
         try:
             per_group[backend] = SymmetricHeap.create(group, _current().heap_bytes, backend)
         except HeapUnavailable:
             per_group[backend] = None
     return per_group[backend]
+
+
+_arrivals: dict[str, int] = {}  # group name -> heap builds started on it (the same count on every rank)
+
+
+def _all_arrive(group: dist.ProcessGroup, timeout_s: float) -> None:
+    """Wait, at most ``timeout_s``, until every rank of ``group`` has come to build the group's heap.
+
+    Building it takes plain torch.distributed calls, bounded only by the process group's own timeout
+    (30 min on gloo): so each rank first posts its arrival in the job's store and waits for the others'.
+    A rank that does not come makes the others raise CommTimeoutError naming it, as a kernel's barrier does;
+    a rank that comes after the others gave up raises too, naming them (no one-sided success).
+    """
+    import datetime
+
+    build = _arrivals[group.group_name] = _arrivals.get(group.group_name, 0) + 1
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"smptk/heap/{group.group_name}/{build}"
+    arrived = [f"{key}/arrived/{q}" for q in range(world)]
+    gave_up = [f"{key}/gave_up/{q}" for q in range(world)]
+    store.set(arrived[rank], "1")
+    try:
+        store.wait(arrived, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # the store's timeout
+        missing = [q for q in range(world) if not store.check([arrived[q]])]
+        if missing:
+            store.set(gave_up[rank], "1")
+            raise CommTimeoutError(
+                f"rank {rank}: group rank(s) {missing} did not come to build the group's symmetric heap "
+                f"(its first collective) within {timeout_s:g} s (timeout_s)",
+                missing,
+            ) from None
+    left = [q for q in range(world) if store.check([gave_up[q]])]
+    if left:
+        raise CommTimeoutError(
+            f"rank {rank}: came to build the group's symmetric heap (its first collective) after group "
+            f"rank(s) {left} stopped waiting for it (timeout_s={timeout_s:g} s)",
+            left,
+        )
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
