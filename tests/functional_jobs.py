@@ -230,6 +230,13 @@ def case_all_to_all(ctx: _Ctx, problems: list[str]) -> None:
     _check(ctx, problems, "all_to_all equal splits", "sub_idx", FALLBACK, lambda i, n: (2 * n, 2, 3),
            lambda x, g: F.all_to_all(x, g),
            lambda xs: exchange(xs, [[2] * len(xs)] * len(xs)))  # fmt: skip
+    # Equal sends (input splits None) from ranks holding different row counts, the receives given: rank i
+    # sends i + 1 rows to each rank. The backward used to size dx from the gradient's rows and raise.
+    n = len(ctx.members("pg")[0])
+    _check(ctx, problems, "all_to_all equal sends, output splits given", "pg", HEAP,
+           lambda i, n: ((i + 1) * n, 3),
+           lambda x, g: F.all_to_all(x, g, [q + 1 for q in range(n)], None),
+           lambda xs: exchange(xs, [[i + 1] * len(xs) for i in range(len(xs))]))  # fmt: skip
 
 
 def case_copy_reduce_pair(ctx: _Ctx, problems: list[str]) -> None:

@@ -306,7 +306,7 @@ class _AllReduce(torch.autograd.Function):
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits, max_sms, agreed_max_split):
-        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        ctx.group, ctx.splits, ctx.rows = group, (out_splits, in_splits), x.shape[0]
         ctx.max_sms, ctx.agreed_max_split = max_sms, agreed_max_split
         return _all_to_all_fwd(x, group.group_name, out_splits, in_splits, max_sms, agreed_max_split)
 
@@ -314,8 +314,7 @@ class _AllToAll(torch.autograd.Function):
     @first_derivative_only("all_to_all")
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        rows = g.shape[0] if in_splits is None else sum(in_splits)
-        dx = g.new_empty((rows, *g.shape[1:]))
+        dx = g.new_empty((ctx.rows, *g.shape[1:]))  # x's rows (not g's: the splits may be uneven)
         collectives.all_to_all_single(
             dx,
             g.contiguous(),
