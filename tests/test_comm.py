@@ -459,6 +459,40 @@ def test_world1_collectives_under_torch_compile(world1, dtype: torch.dtype) -> N
     assert torch.equal(got, ((x * 2 + 1) * 3 - 1).square())
 
 
+def test_calls_on_one_cuda_heap_are_ordered_across_streams(monkeypatch) -> None:
+    """The ordering logic of a CUDA heap, on CPU with stand-in streams and events (no GPU here): a launch
+    from another stream waits for the event recorded after the heap's latest launch (FSDP2 runs a group's
+    all-gathers and reduce-scatters on two streams; overlapping on one heap, one would stage over the
+    other's data). A CPU heap and a simulated world order nothing (their calls are synchronous)."""
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.waited = name, []
+
+        def wait_event(self, event) -> None:
+            self.waited.append(event.where)
+
+    class Event:
+        def record(self, stream) -> None:
+            self.where = stream.name
+
+    streams = {"now": Stream("all_gather_stream")}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams["now"])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    t = torch.zeros(1)
+    heap = collectives.SymmetricHeap("cuda", 0, 2, 64, t, t, t, t, torch.device("cuda", 0))
+    collectives._wait_turn(heap)  # nothing ran on it yet
+    assert streams["now"].waited == []
+    collectives._took_turn(heap)  # an all-gather launched on FSDP's all-gather stream
+    streams["now"] = other = Stream("reduce_scatter_stream")
+    collectives._wait_turn(heap)  # the reduce-scatter's launch waits for it
+    assert other.waited == ["all_gather_stream"]
+    cpu = collectives.SymmetricHeap("cpu", 0, 2, 64, t, t, t, t, torch.device("cpu"))
+    collectives._took_turn(cpu)
+    collectives._wait_turn(cpu)
+    assert cpu.last_use is None and other.waited == ["all_gather_stream"]
+
+
 def test_world1_last_path_names_the_fallback(world1) -> None:
     y = torch.arange(5, dtype=torch.float64)
     comm.all_reduce(y)

@@ -489,6 +489,27 @@ def _check_resident(kernel, programs: int, device: torch.device) -> None:
         )
 
 
+def _wait_turn(heap) -> None:
+    """On a CUDA heap: the current stream waits for the heap's latest launch, whichever stream ran it.
+
+    Every call on a heap shares its data region and signal pads, and is numbered in host order; calls from
+    two streams (FSDP2 issues all-gathers and reduce-scatters of one group on two) must not overlap on the
+    device, or one would stage over the other's data and take its signals. So the calls on one heap run
+    in their host order, as one NCCL communicator's do. A no-op on CPU, where every call ends before the
+    next starts, and for a simulated world.
+    """
+    if isinstance(heap, SymmetricHeap) and heap.backend == "cuda" and heap.last_use is not None:
+        torch.cuda.current_stream(heap.device).wait_event(heap.last_use)
+
+
+def _took_turn(heap) -> None:
+    """After a launch on a CUDA heap: mark the current stream's position as the heap's latest use."""
+    if isinstance(heap, SymmetricHeap) and heap.backend == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(heap.device))
+        heap.last_use = event
+
+
 def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Call, **meta) -> None:
     """Run ``kernel[(programs,)](*data, <heap's tables>, *sizes, timeout_ns, ...)`` and handle its result.
 
@@ -516,6 +537,7 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
         timer = threading.Timer(timeout_s, heap.abort_flag.fill_, args=(1,))
         timer.daemon = True
         timer.start()
+    _wait_turn(heap)
     try:
         heap.calls += 1
         compiled = kernel[(programs,)](
@@ -538,6 +560,7 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
     finally:
         if timer is not None:
             timer.cancel()
+    _took_turn(heap)
     if not interpreted and hasattr(compiled, "asm"):
         _last_compiled[getattr(kernel, "__name__", type(kernel).__name__)] = compiled
     if simulated:
@@ -806,6 +829,7 @@ def _all_gather_copy_engine(heap, src: torch.Tensor, dst: torch.Tensor, chunk: i
     for c0 in range(0, max(n_total, 1), chunk):
         n = min(chunk, n_total - c0)
         call = _Call("all_gather_ce", src.dtype, -1, n_total, n)
+        _wait_turn(heap)  # the staging copy writes the heap: after its previous use (see _wait_turn)
         heap.peer_data(heap.rank, src.dtype, n).copy_(src[c0 : c0 + n])
         _signal(
             heap, call
@@ -1026,6 +1050,7 @@ def _all_to_all_copy_engine(
         call = _Call("all_to_all_ce", dtype, -1, n_rounds, slot)
         in_off, in_n = _window(*sends, c * slot, slot)
         out_off, out_n = _window(*recvs, c * slot, slot)
+        _wait_turn(heap)  # the staging copies write the heap: after its previous use (see _wait_turn)
         for d in range(world):
             if in_n[d]:
                 heap.peer_data(rank, dtype, in_n[d], d * slot).copy_(src[in_off[d] : in_off[d] + in_n[d]])

@@ -77,6 +77,7 @@ class SymmetricHeap:
     device: torch.device
     broken: str | None = None
     calls: int = 0  # symmetric launches so far: the sequence number in each call's announcement
+    last_use: object = None  # CUDA: an event recorded after the latest launch on this heap (any stream)
     segments: list[torch.Tensor] = field(default_factory=list, repr=False)
     _keepalive: list = field(default_factory=list, repr=False)
 
