@@ -27,7 +27,8 @@ and
    (source rank, local expert) and are permuted to (local expert, source rank) for the grouped GEMMs;
 3. the expert outputs are permuted back and return by the inverse all-to-all; combine runs locally.
 
-Per forward: one host sync and three collectives (the counts, the rows out, the rows back); backward:
+Per forward: one host sync and three collectives (the counts, the rows out, the rows back; with a
+``capacity_factor`` a second host sync: the dispatch reads how many rows it kept, to size them); backward:
 two all-to-alls and no host sync (an all-to-all's gradient is the all-to-all with the splits swapped). A
 rank that receives no rows runs its experts on an empty buffer (zero weight gradients). ``MoE(...,
 ep_group=g)`` or ``MoE(..., ep_mesh=m)`` applies the same style at construction.
