@@ -9,6 +9,8 @@ dropped pair or a transposed weight (all of which move outputs by O(1) of their 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import NO_INTERPRETER_REASON
@@ -131,8 +133,7 @@ def test_no_tokens() -> None:
 def test_expert_bias_changes_selection_and_update_balances() -> None:
     moe = _layer(top_k=1, expert_bias=True)
     x = torch.randn(40, H)
-    with torch.no_grad():
-        moe(x)
+    moe(x)
     load = moe.update_expert_bias(rate=0.5)
     assert load.sum().item() == 40
     assert moe.tokens_per_expert.sum().item() == 0, "counts are reset by the update"
@@ -142,10 +143,60 @@ def test_expert_bias_changes_selection_and_update_balances() -> None:
     with torch.no_grad():
         moe.expert_bias.zero_()
         moe.expert_bias[2] = 100.0  # a huge bias: every token picks expert 2, weights still unbiased
-        y = moe(x)
+    y = moe(x)
     assert moe.last_routing.expert_ids.unique().tolist() == [2]
     _check(moe, x)  # the reference gets the same bias
     assert torch.isfinite(y).all()
+
+
+def test_only_training_forwards_count_tokens() -> None:
+    """Evaluation and generation forwards (module.eval()) leave tokens_per_expert alone: they used to add
+    to the load update_expert_bias balances (10 validation batches outweighed the training batch)."""
+    moe = _layer(top_k=2, expert_bias=True)
+    x = torch.randn(9, H)
+    moe(x)
+    assert moe.tokens_per_expert.sum().item() == 9 * 2
+    moe.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            moe(x)
+    assert moe.tokens_per_expert.sum().item() == 9 * 2 and moe.aux_loss is not None
+
+
+def test_expert_bias_stays_fp32_through_dtype_casts() -> None:
+    """.bfloat16() / .half() / .to(dtype) cast parameters, not expert_bias: a 1e-3 update of a bias near
+    0.5 used to vanish in bf16 for the underloaded experts (and overshoot for the overloaded one)."""
+    moe = _layer(top_k=1, expert_bias=True)
+    with torch.no_grad():
+        moe.expert_bias.fill_(0.5)
+    for cast in (lambda m: m.bfloat16(), lambda m: m.half(), lambda m: m.to(torch.bfloat16)):
+        cast(moe)
+        assert moe.expert_bias.dtype == torch.float32 and moe.router_weight.dtype != torch.float32
+        assert moe.tokens_per_expert.dtype == torch.int64
+    moe.float()
+    x = torch.randn(40, H)
+    moe.bfloat16()
+    moe(x.bfloat16())
+    load = moe.update_expert_bias(rate=1e-3)
+    want = 0.5 + 1e-3 * torch.sign(load.float().mean() - load.float())
+    assert torch.equal(moe.expert_bias, want)
+    assert "expert_bias" in moe.state_dict()
+
+
+def test_reentrant_checkpointing_warns_that_aux_loss_has_no_gradient() -> None:
+    """Reentrant activation checkpointing runs the forward under no_grad: aux_loss then has no gradient and
+    the router silently lost its load-balancing gradient; the layer warns. Non-reentrant does not."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _layer(top_k=2, aux_loss_coef=0.01)
+    x = torch.randn(7, H, requires_grad=True)
+    with pytest.warns(UserWarning, match="aux_loss carries no gradient"):
+        checkpoint(moe, x, use_reentrant=True)
+    assert not moe.aux_loss.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.aux_loss.requires_grad
 
 
 def test_update_expert_bias_needs_the_option() -> None:

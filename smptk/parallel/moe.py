@@ -37,11 +37,15 @@ Side effects and activation checkpointing. The forward sets :attr:`aux_loss`, :a
 :attr:`last_plan` and adds this call's routed pairs to the buffer ``tokens_per_expert``, except when it
 runs inside autograd's backward pass: that is a checkpoint recompute (``torch.utils.checkpoint``, reentrant
 or not, and every wrapper built on it), which repeats the forward to rebuild activations, and counting
-its tokens again would double the load that :meth:`MoE.update_expert_bias` balances. The test is the
-autograd engine's current graph task (``torch._C._current_graph_task_id() != -1``: what torch's own
-checkpoint uses to tell the two apart); the one cost is that a MoE forward that a user runs on purpose
-inside a backward hook is not counted either. Call :meth:`MoE.update_expert_bias` after backward (with
-the optimizer step), so a recompute routes with the bias the forward used.
+its tokens again would double the load that :meth:`MoE.update_expert_bias` balances. Only training
+forwards count (``module.train()``): an evaluation or generation pass does not steer the balancing. The
+test is the autograd engine's current graph task (``torch._C._current_graph_task_id() != -1``: what
+torch's own checkpoint uses to tell the two apart); the one cost is that a MoE forward that a user runs
+on purpose inside a backward hook is not counted either. Call :meth:`MoE.update_expert_bias` after
+backward (with the optimizer step), so a recompute routes with the bias the forward used. Reentrant
+checkpointing runs the first forward under no_grad, so its :attr:`aux_loss` has no gradient: the layer
+warns (use ``use_reentrant=False`` or :func:`smptk.parallel.apply_activation_checkpointing`).
+``expert_bias`` stays fp32 through ``.half()`` / ``.bfloat16()`` / ``.to(dtype)``.
 
 Losses: ``aux_loss`` after each forward holds ``aux_loss_coef * load-balancing loss + z_loss_coef *
 router z-loss`` of this rank's tokens (Switch Transformer's and ST-MoE's definitions, see
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -376,9 +381,35 @@ class MoE(nn.Module):
         if not _in_backward():  # a checkpoint recompute leaves the statistics of its forward alone
             aux = routing.aux_loss * self.aux_loss_coef + routing.z_loss * self.z_loss_coef
             self.aux_loss, self.last_routing, self.last_plan = aux, routing, plan
-            with torch.no_grad():
-                self.tokens_per_expert += routing.tokens_per_expert
+            if self.training:  # an eval or generation forward does not steer the balancing
+                with torch.no_grad():
+                    self.tokens_per_expert += routing.tokens_per_expert
+            if self.training and not torch.is_grad_enabled() and self.router_weight.requires_grad:
+                warnings.warn(
+                    "MoE: a training forward ran without grad mode (reentrant activation checkpointing "
+                    "runs the forward under no_grad): aux_loss carries no gradient, so the router gets no "
+                    "load-balancing gradient; use torch.utils.checkpoint(use_reentrant=False) or "
+                    "smptk.parallel.apply_activation_checkpointing",
+                    stacklevel=2,
+                )
         return y_TH.view(x.shape)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``.to``, ``.half()``, ``.cuda()``...), but ``expert_bias`` keeps fp32: its
+        updates (``rate`` 1e-3 steps on values near 1) vanish in bf16, and moe_route takes an fp32 bias
+        with any logits."""
+        bias = self._buffers.get("expert_bias")
+        if bias is None:
+            return super()._apply(fn, recurse)
+        del self._buffers["expert_bias"]
+        try:
+            super()._apply(fn, recurse)
+            moved = fn(bias)
+            self._buffers["expert_bias"] = bias.to(moved.device) if moved.dtype != bias.dtype else moved
+        except BaseException:
+            self._buffers["expert_bias"] = bias
+            raise
+        return self
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3, group: dist.ProcessGroup | None = None) -> torch.Tensor:
