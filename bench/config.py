@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from smptk import settings
+
 MODE_ENV = "SMPTK_BENCH_MODE"
 ROUNDS_ENV = "SMPTK_BENCH_ROUNDS"
 WARMUP_ENV = "SMPTK_BENCH_WARMUP"
@@ -80,17 +82,14 @@ def slugify(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
-    if value < (1 if name == ROUNDS_ENV else 0):
-        raise ValueError(f"{name}={raw!r}: expected a positive integer")
-    return value
+def _rounds(default: int) -> int:
+    value = settings.bench_rounds()  # SMPTK_BENCH_ROUNDS, checked (>= 1) by smptk.settings
+    return default if value is None else value
+
+
+def _warmup(default: int) -> int:
+    value = settings.bench_warmup()  # SMPTK_BENCH_WARMUP, checked (>= 0) by smptk.settings
+    return default if value is None else value
 
 
 def current_mode() -> Mode:
@@ -99,9 +98,7 @@ def current_mode() -> Mode:
     Raises ``RuntimeError`` for ``SMPTK_BENCH_MODE=measure`` without CUDA (there is nothing to measure).
     """
     cuda = torch.cuda.is_available()
-    requested = os.environ.get(MODE_ENV, "").strip().lower() or ("measure" if cuda else "quick")
-    if requested not in ("measure", "quick"):
-        raise ValueError(f"{MODE_ENV}={requested!r}: expected 'measure' or 'quick'")
+    requested = settings.bench_mode() or ("measure" if cuda else "quick")  # checked by smptk.settings
     if requested == "measure" and not cuda:
         raise RuntimeError(f"{MODE_ENV}=measure needs a CUDA GPU; this machine has none (use quick mode)")
     if requested == "measure":
@@ -111,8 +108,8 @@ def current_mode() -> Mode:
             dtype=torch.bfloat16,
             m_values=MEASURE_M,
             kn_values=MEASURE_KN,
-            rounds=_env_int(ROUNDS_ENV, 25),
-            warmup_rounds=_env_int(WARMUP_ENV, 5),
+            rounds=_rounds(25),
+            warmup_rounds=_warmup(5),
             label=slugify(torch.cuda.get_device_name(torch.cuda.current_device())),
             note=None,
         )
@@ -123,8 +120,8 @@ def current_mode() -> Mode:
             dtype=torch.bfloat16,
             m_values=QUICK_M,
             kn_values=QUICK_KN,
-            rounds=_env_int(ROUNDS_ENV, 3),
-            warmup_rounds=_env_int(WARMUP_ENV, 1),
+            rounds=_rounds(3),
+            warmup_rounds=_warmup(1),
             label=slugify(torch.cuda.get_device_name(torch.cuda.current_device())) + "-quick",
             note=GPU_QUICK_NOTE,
         )
@@ -134,8 +131,8 @@ def current_mode() -> Mode:
         dtype=torch.float16,  # the interpreter's tl.dot is wrong for bf16 (fp16 and fp32 are right)
         m_values=QUICK_M,
         kn_values=QUICK_KN,
-        rounds=_env_int(ROUNDS_ENV, 3),
-        warmup_rounds=_env_int(WARMUP_ENV, 1),
+        rounds=_rounds(3),
+        warmup_rounds=_warmup(1),
         label="cpu-interpreter",
         note=CPU_NOTE,
     )

@@ -102,7 +102,15 @@ class _Watch:
         self.order = bool(cfg.get("order"))
         self.test_timeout_s: float | None = cfg.get("test_timeout_s")
         self.first = 0
-        self.torchrun_timeouts = {var: os.environ.get(var) for var in TORCHRUN_TIMEOUT_ENVS.values()}
+        from smptk import settings
+
+        self.torchrun_timeouts = {  # the user's own limits, checked by smptk.settings (None: the default)
+            env: getattr(settings, f"bench_{suite}_timeout_s")()
+            for env, suite in (
+                (TORCHRUN_TIMEOUT_ENVS["bench/test_bench_comm_dist.py"], "comm_dist"),
+                (TORCHRUN_TIMEOUT_ENVS["bench/test_bench_tp_dist.py"], "tp_dist"),
+            )
+        }
         self.budget_limited: set[str] = set()  # tests whose time limit was the budget's time left
 
     def _log(self, **event: Any) -> None:
@@ -142,7 +150,7 @@ class _Watch:
         elif left is not None:
             env = next((v for f, v in TORCHRUN_TIMEOUT_ENVS.items() if item.nodeid.startswith(f)), None)
             if env is not None:
-                own = float(self.torchrun_timeouts[env] or "inf")
+                own = self.torchrun_timeouts[env] or float("inf")
                 limit = min(left, own)
                 os.environ[env] = f"{max(1.0, limit):.0f}"
             elif self.config.pluginmanager.hasplugin("timeout"):

@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from smptk import settings
+
 SCHEMA = "smptk.bench.row/1"
 RUN_ID_ENV = "SMPTK_BENCH_RUN_ID"
 RECORDED_ENV_VARS = (
@@ -62,8 +64,8 @@ def run_id() -> str:
 
     A new id is stored in the environment, so every row of the process shares it.
     """
-    value = os.environ.get(RUN_ID_ENV)
-    if not value:
+    value = settings.bench_run_id()  # blank counts as unset (smptk.settings)
+    if value is None:
         value = os.environ[RUN_ID_ENV] = new_run_id()
     return value
 

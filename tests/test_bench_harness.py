@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -114,6 +115,27 @@ def test_results_path_never_overwrites(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- rows
+def test_bench_variables_go_through_smptk_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SMPTK_BENCH_* are parsed by smptk.settings like every variable (bench had parsers of its own): a
+    blank run id is unset (it was used as the id), warm-up 0 is allowed and -1 refused with the settings
+    message, a blank torchrun time limit means the default (gpu-check's plugin crashed on it)."""
+    from bench import config, gpu_check, rows
+
+    monkeypatch.setenv("SMPTK_BENCH_RUN_ID", "  ")
+    assert rows.run_id().strip() and rows.run_id() == rows.run_id()
+    monkeypatch.setenv("SMPTK_BENCH_WARMUP", "0")
+    monkeypatch.setenv("SMPTK_BENCH_ROUNDS", "2")
+    mode = config.current_mode()
+    assert (mode.warmup_rounds, mode.rounds) == (0, 2)
+    monkeypatch.setenv("SMPTK_BENCH_WARMUP", "-1")
+    with pytest.raises(ValueError, match="SMPTK_BENCH_WARMUP"):
+        config.current_mode()
+    monkeypatch.setenv("SMPTK_BENCH_COMM_DIST_TIMEOUT_S", " ")
+    monkeypatch.setenv("SMPTK_BENCH_TP_DIST_TIMEOUT_S", "90")
+    watch = gpu_check._Watch(types.SimpleNamespace(), {"log": os.devnull})
+    assert set(watch.torchrun_timeouts.values()) == {None, 90.0}
+
+
 def test_rows_round_trip_and_carry_env(tmp_path: Path) -> None:
     env = {"torch": "2.13.0", "gpus": [], "git_sha": None}
     row = base_row("measurement", "bench/x.py::t[a]", env)
