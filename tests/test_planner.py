@@ -9,6 +9,7 @@ against real tensors and what autograd keeps; tests/test_planner_models.py the p
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib
 import json
@@ -290,12 +291,33 @@ def test_estimate_reports_a_table_json_and_fit() -> None:
         ({"world_size": None}, ValueError, "pass cluster= or world_size="),
         ({"cluster": "p5", "world_size": 4}, ValueError, "disagrees"),
         ({"config": {"tensor_parallel": 2}}, ValueError, "did you mean 'tensor_parallel_degree'"),
+        ({"sequence_parallel": "no"}, TypeError, "sequence_parallel: expected True, False or None"),
+        ({"heap_bytes": -1}, ValueError, "heap_bytes: expected a positive multiple of 16"),
+        ({"heap_bytes": 100}, ValueError, "heap_bytes: expected a positive multiple of 16"),
     ],
 )
 def test_estimate_rejects_bad_input(kwargs, error, match) -> None:
     args = {"config": {}, "seq_len": 32, "world_size": 1, **kwargs}
     with pytest.raises(error, match=match):
         estimate_memory("llama2-70b", args.pop("config"), **args)
+
+
+def test_moe_models_are_estimated_without_sequence_parallelism() -> None:
+    """smptk runs MoE layers without sequence parallelism (transform refuses it): by default a MoE model's
+    activations are those of tp without it (the estimate assumed it, so configs that cannot be built were
+    ranked as fitting), asking for it raises; a dense model takes it by default and says so in its title.
+    Shared experts stay whole on every tp rank, so their width need not divide tp."""
+    odd_shared = dataclasses.replace(TINY_MOE, shared_expert_intermediate_size=33)
+    moe = estimate_memory(odd_shared, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2)
+    off = estimate_memory(odd_shared, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2,
+                          sequence_parallel=False)  # fmt: skip
+    assert not moe.sequence_parallel and moe.total_bytes == off.total_bytes
+    assert "sequence parallel" not in moe.title()
+    with pytest.raises(ValueError, match="MoE layers, which smptk runs without sequence parallelism"):
+        estimate_memory(TINY_MOE, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2,
+                        sequence_parallel=True)  # fmt: skip
+    dense = estimate_memory(TINY, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2)
+    assert dense.sequence_parallel and "sequence parallel" in dense.title()
 
 
 # -- step_time and advise ------------------------------------------------------------------------------
@@ -318,6 +340,9 @@ def test_step_time_model() -> None:
     assert tp.tp_comm_s > 0 and tp.compute_s == pytest.approx(base.compute_s / 4, rel=1e-9)
     with pytest.raises(ValueError, match="compute_efficiency"):
         step_time("llama3.1-8b", {}, p5, seq_len=4096, compute_efficiency=1.5)
+    for key, bad in (("grad_accum", 0), ("grad_accum", -3), ("micro_batch", -2), ("micro_batch", 1.5)):
+        with pytest.raises(ValueError, match=f"{key}: expected an int >= 1"):  # were a negative MFU
+            step_time("llama3.1-8b", {}, p5, seq_len=4096, **{key: bad})
 
 
 def test_advise_ranks_configurations_that_fit() -> None:

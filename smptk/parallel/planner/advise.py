@@ -119,8 +119,10 @@ class Candidate:
         ac = c.activation_checkpointing + ("+offload" if c.sm_activation_offloading else "")
         hsd = {0: "full", 1: "replicate"}.get(c.hybrid_shard_degree, f"hsdp {c.hybrid_shard_degree}")
         ep = f" ep {c.expert_parallel_degree}" if c.expert_parallel_degree > 1 else ""
+        sp = " sp" if self.estimate.sequence_parallel else ""  # transform(..., sequence_parallel=True)
         return (
-            f"tp {c.tensor_parallel_degree} shard {hsd}{ep} ac {ac} mb {self.micro_batch} x{self.grad_accum}"
+            f"tp {c.tensor_parallel_degree}{sp} shard {hsd}{ep} ac {ac} mb {self.micro_batch} "
+            f"x{self.grad_accum}"
         )
 
     def to_dict(self) -> dict:
@@ -220,6 +222,9 @@ def step_time(
     sz = cfg.validate(cl.world_size)
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency: expected a fraction in (0, 1], got {compute_efficiency}")
+    for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}: expected an int >= 1, got {value!r}")
     t, dp, shard, rep, ep = sz["tp"], sz["dp"], sz["dp_shard"], sz["dp_replicate"], sz["ep"]
     tokens_rank = micro_batch * seq_len * grad_accum  # per data-parallel rank per step
     mflops_tok = model_flops_per_token(spec, seq_len)
@@ -332,8 +337,11 @@ def advise(
                     activation_checkpointing=ac, sm_activation_offloading=off,
                     mixed_precision=mixed_precision,
                 )  # fmt: skip
-                est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
-                                      optimizer=optimizer, attention=attention)  # fmt: skip
+                try:
+                    est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
+                                          optimizer=optimizer, attention=attention)  # fmt: skip
+                except ValueError:  # a degree the model's sizes do not divide: not a candidate
+                    continue
                 per_step = dp * mb * seq_len
                 accum = 1 if global_batch_tokens is None else max(1, round(global_batch_tokens / per_step))
                 gbt = per_step * accum

@@ -213,6 +213,7 @@ class MemoryEstimate:
             f"{self.model.name} on {self.world_size} GPUs: tp {sz['tp']} x dp_shard {sz['dp_shard']} x "
             f"dp_replicate {sz['dp_replicate']}"
             + (f", ep {sz['ep']}" if sz["ep"] > 1 else "")
+            + (", sequence parallel" if self.sequence_parallel else "")
             + f", {self.engine}, seq {self.seq_len} x micro-batch {self.micro_batch}, "
             f"checkpointing {self.config.activation_checkpointing}"
             + (
@@ -251,7 +252,7 @@ def estimate_memory(
     world_size: int | None = None,
     optimizer: str = "adamw",
     attention: str = "flash",
-    sequence_parallel: bool = True,
+    sequence_parallel: bool | None = None,
     heap_bytes: int = DEFAULT_HEAP_BYTES,
 ) -> MemoryEstimate:
     """Per-GPU memory of one training step of ``model`` under ``config``.
@@ -264,8 +265,12 @@ def estimate_memory(
             memory :meth:`MemoryEstimate.fits` checks). Or ``world_size`` alone.
         optimizer: one of :data:`OPTIMIZER_STATE_BYTES`.
         attention: ``"flash"`` or ``"materialized"``.
-        sequence_parallel: the tensor-parallel layers' ``sequence_parallel`` (read when tp > 1).
-        heap_bytes: smptk's symmetric heap per group (``SMPTK_COMM_HEAP_BYTES``).
+        sequence_parallel: the tensor-parallel layers' ``sequence_parallel`` (read when tp > 1): None
+            (default) is True for a dense model and False for one with MoE layers, which smptk runs
+            without it (``transform`` refuses it there: True raises); pass what the model will run with
+            (``transform``'s own default is False).
+        heap_bytes: smptk's symmetric heap per group (``SMPTK_COMM_HEAP_BYTES``): a positive multiple
+            of 16.
     """
     spec = model_spec(model)
     cfg = parallel_config(config)
@@ -284,8 +289,17 @@ def estimate_memory(
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
     if attention not in ATTENTION:
         raise ValueError(f"attention: expected one of {', '.join(ATTENTION)}, got {attention!r}")
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel: expected True, False or None, got {sequence_parallel!r}")
+    if sequence_parallel and spec.is_moe:
+        raise ValueError(
+            f"sequence_parallel: {spec.name} has MoE layers, which smptk runs without sequence parallelism "
+            "(transform refuses it); pass sequence_parallel=False or None"
+        )
+    if isinstance(heap_bytes, bool) or not isinstance(heap_bytes, int) or heap_bytes <= 0 or heap_bytes % 16:
+        raise ValueError(f"heap_bytes: expected a positive multiple of 16, got {heap_bytes!r}")
     t = sizes["tp"]
-    sp = bool(sequence_parallel) and t > 1
+    sp = (not spec.is_moe if sequence_parallel is None else sequence_parallel) and t > 1
     _check_model_fits_degrees(spec, sizes, seq_len, sp)
 
     engine = _engine(cfg, sizes)
@@ -313,8 +327,6 @@ def _check_model_fits_degrees(spec: ModelSpec, sizes: dict, seq_len: int, sp: bo
     checks = [("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
     if not spec.is_mla:
         checks.append(("num_kv_heads", spec.num_kv_heads))
-    if spec.shared_expert_intermediate_size:
-        checks.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
     for key, value in checks:
         if value % t:
             raise ValueError(
