@@ -302,6 +302,23 @@ def test_estimate_rejects_bad_input(kwargs, error, match) -> None:
         estimate_memory("llama2-70b", args.pop("config"), **args)
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"intermediate_size": -96}, "intermediate_size must be an int >= 0"),
+        ({"intermediate_size": 0}, "intermediate_size must be a positive int"),
+        ({"learned_positions": -3}, "learned_positions must be an int >= 0"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive int"),
+    ],
+)
+def test_model_spec_rejects_nonsense_sizes(change: dict, match: str) -> None:
+    """A negative (or, with dense layers, zero) width used to shrink the parameter count silently."""
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(TINY, **change)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size must be an int >= 0"):
+        dataclasses.replace(TINY_MOE, shared_expert_intermediate_size=-5)
+
+
 def test_moe_models_are_estimated_without_sequence_parallelism() -> None:
     """smptk runs MoE layers without sequence parallelism (transform refuses it): by default a MoE model's
     activations are those of tp without it (the estimate assumed it, so configs that cannot be built were

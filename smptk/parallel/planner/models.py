@@ -114,6 +114,13 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             _positive(self.name, key, getattr(self, key))
+        widths = ("intermediate_size", "learned_positions", "max_position_embeddings", "num_experts")
+        widths += ("experts_per_token", "moe_intermediate_size", "shared_expert_intermediate_size")
+        widths += ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for key in widths:  # 0 means "none" for the optional ones; a negative size shrank the count
+            _not_negative(self.name, key, getattr(self, key))
+        if not self.num_experts or len(self.dense_layers) > 0:  # some layer has a dense MLP
+            _positive(self.name, "intermediate_size", self.intermediate_size)
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"{self.name}: mlp must be 'swiglu' or 'gelu', got {self.mlp!r}")
         if self.norm not in ("rmsnorm", "layernorm"):
@@ -273,6 +280,11 @@ class ModelSpec:
 def _positive(name: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: {key} must be a positive int, got {value!r}")
+
+
+def _not_negative(name: str, key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: {key} must be an int >= 0, got {value!r}")
 
 
 # -- Hugging Face configs ------------------------------------------------------------------------------
