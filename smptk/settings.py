@@ -179,9 +179,11 @@ _TABLE = (
     Variable("SMPTK_CHECK_OFFSETS", "flag", False, "grouped GEMMs check the expert offsets' values on "
              "CUDA too (one host sync per call; on CPU they are always checked)"),
     # comm (read once per process, on first use; smptk.comm.configure overrides them)
-    Variable("SMPTK_COMM_MAX_SMS", "integer", 8, "programs (SMs) per collective launch"),
-    Variable("SMPTK_COMM_TIMEOUT_S", "number", 300.0, "seconds a collective waits on a peer"),
-    Variable("SMPTK_COMM_HEAP_BYTES", "integer", 64 * 1024 * 1024, "symmetric heap bytes per rank"),
+    Variable("SMPTK_COMM_MAX_SMS", "integer", 8, "programs (SMs) per collective launch (1..256)", low=1),
+    Variable("SMPTK_COMM_TIMEOUT_S", "number", 300.0, "seconds a collective waits on a peer",
+             positive=True),
+    Variable("SMPTK_COMM_HEAP_BYTES", "integer", 64 * 1024 * 1024, "symmetric heap bytes per rank (a "
+             "multiple of 16, >= 4096)", low=4096),
     Variable("SMPTK_COMM_SYNC_CHECK", "flag", False, "on CUDA, check each collective's status at the end "
              "of every call (one host sync)"),
     Variable("SMPTK_COMM_COPY_PATH", "choice", "pointer", "collectives' loads: pointer (128-bit loads, one "

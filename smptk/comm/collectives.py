@@ -116,7 +116,8 @@ def _current() -> _Settings:
             _validate(_settings)
         except ValueError as e:
             _settings = None
-            raise ValueError(f"{e} (from the SMPTK_COMM_* environment variables)") from None
+            field = str(e).split(":")[0]
+            raise ValueError(f"SMPTK_COMM_{field.upper()}: {e}") from None
     return _settings
 
 
