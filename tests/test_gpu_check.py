@@ -291,19 +291,27 @@ def test_targets_cases_run_first_in_target_order() -> None:
     assert first == 6
 
 
-def test_child_stops_at_its_deadline(tmp_path: Path) -> None:
-    """No test starts after the deadline; the one running finishes; the rest are listed as not reached."""
-    test_file = tmp_path / "test_sleepy.py"
-    test_file.write_text(
-        "import json, os, time\n\ndef test_a():\n    pass\n\n"
-        "def test_b():  # ends just after the deadline\n"
-        f"    deadline = json.loads(os.environ[{gpu_check.PLUGIN_ENV!r}])['deadline']\n"
-        "    time.sleep(max(0.0, deadline - time.time() + 0.5))\n\n"
-        "def test_c():\n    pass\n"
-    )
+# A test body that sleeps until just past the child's deadline (the plugin's JSON holds it).
+PAST_DEADLINE = (
+    f"    deadline = json.loads(os.environ[{gpu_check.PLUGIN_ENV!r}])['deadline']\n"
+    "    time.sleep(max(0.0, deadline - time.time() + {late}))\n"
+)
+
+
+def _child(tmp_path: Path, name: str, source: str) -> gpu_check.Child:
+    """``source`` as ``tmp_path / name``, run by gpu-check's child runner with a 12 s budget."""
+    test_file = tmp_path / name
+    test_file.write_text("import json, os, time\n\n" + source)
     argv = [sys.executable, "-m", "pytest", str(test_file), "-p", "bench.gpu_check", "-q"]
     argv += ["-p", "no:cacheprovider", "-p", "no:timeout", f"--rootdir={tmp_path}"]
-    child = gpu_check.run_child(argv, budget_s=12, order=False, test_timeout_s=None, env=dict(os.environ))
+    return gpu_check.run_child(argv, budget_s=12, order=False, test_timeout_s=None, env=dict(os.environ))
+
+
+def test_child_stops_at_its_deadline(tmp_path: Path) -> None:
+    """No test starts after the deadline; the one running finishes; the rest are listed as not reached."""
+    source = "def test_a():\n    pass\n\ndef test_b():  # ends just after the deadline\n"
+    source += PAST_DEADLINE.format(late=0.5) + "\ndef test_c():\n    pass\n"
+    child = _child(tmp_path, "test_sleepy.py", source)
     assert child.outcomes.get("test_sleepy.py::test_a") == "passed"
     assert gpu_check._not_reached(child) == {"test_sleepy.py": ["test_sleepy.py::test_c"]}
     assert child.budget_stop  # logged before the child exits (or, on a busy machine, is killed)
@@ -314,17 +322,10 @@ def test_a_test_cut_off_by_the_budget_is_not_a_failure(tmp_path: Path) -> None:
     """A test whose limit is the time left and that fails at the deadline was cut off (the torchrun
     benchmarks kill their torchrun at that limit and fail): reported as "cut off", and the phase is clean;
     a test that fails before the deadline is still a failure."""
-    test_file = tmp_path / "test_cut.py"
-    test_file.write_text(
-        "import json, os, time\n\ndef test_early():\n    assert False, 'a real failure'\n\n"
-        "def test_cut():  # a benchmark killed at the time left\n"
-        f"    deadline = json.loads(os.environ[{gpu_check.PLUGIN_ENV!r}])['deadline']\n"
-        "    time.sleep(max(0.0, deadline - time.time() + 0.2))\n"
-        "    raise AssertionError('ran past its limit and was killed')\n"
-    )
-    argv = [sys.executable, "-m", "pytest", str(test_file), "-p", "bench.gpu_check", "-q"]
-    argv += ["-p", "no:cacheprovider", "-p", "no:timeout", f"--rootdir={tmp_path}"]
-    child = gpu_check.run_child(argv, budget_s=12, order=False, test_timeout_s=None, env=dict(os.environ))
+    source = "def test_early():\n    assert False, 'a real failure'\n\n"
+    source += "def test_cut():  # a benchmark killed at the time left\n" + PAST_DEADLINE.format(late=0.2)
+    source += "    raise AssertionError('ran past its limit and was killed')\n"
+    child = _child(tmp_path, "test_cut.py", source)
     assert child.outcomes == {"test_cut.py::test_early": "failed", "test_cut.py::test_cut": "cut off"}
     assert gpu_check._cut_off(child) == ["test_cut.py::test_cut"]
     assert child.budget_stop and child.returncode in (1, 2, -15)  # 2: stopped; -15: killed on a busy machine
