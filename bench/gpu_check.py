@@ -105,11 +105,7 @@ class _Watch:
         from smptk import settings
 
         self.torchrun_timeouts = {  # the user's own limits, checked by smptk.settings (None: the default)
-            env: getattr(settings, f"bench_{suite}_timeout_s")()
-            for env, suite in (
-                (TORCHRUN_TIMEOUT_ENVS["bench/test_bench_comm_dist.py"], "comm_dist"),
-                (TORCHRUN_TIMEOUT_ENVS["bench/test_bench_tp_dist.py"], "tp_dist"),
-            )
+            env: settings.VARIABLES[env].read() for env in TORCHRUN_TIMEOUT_ENVS.values()
         }
         self.budget_limited: set[str] = set()  # tests whose time limit was the budget's time left
 

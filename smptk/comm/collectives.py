@@ -28,6 +28,7 @@ Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetr
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import threading
 import weakref
@@ -289,8 +290,6 @@ def _all_arrive(group: dist.ProcessGroup, timeout_s: float) -> None:
     A rank that does not come makes the others raise CommTimeoutError naming it, as a kernel's barrier does;
     a rank that comes after the others gave up raises too, naming them (no one-sided success).
     """
-    import datetime
-
     build = _arrivals[group.group_name] = _arrivals.get(group.group_name, 0) + 1
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
@@ -504,11 +503,12 @@ def _wait_turn(heap) -> None:
 
 
 def _took_turn(heap) -> None:
-    """After a launch on a CUDA heap: mark the current stream's position as the heap's latest use."""
+    """After a launch on a CUDA heap: mark the current stream's position as the heap's latest use. One
+    event per heap, recorded again at every launch (a wait takes the record current when it is issued)."""
     if isinstance(heap, SymmetricHeap) and heap.backend == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(heap.device))
-        heap.last_use = event
+        if heap.last_use is None:
+            heap.last_use = torch.cuda.Event()
+        heap.last_use.record(torch.cuda.current_stream(heap.device))
 
 
 def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Call, **meta) -> None:
