@@ -181,3 +181,29 @@ def test_tma_configs_follow_the_installed_triton(monkeypatch, version: str, drop
     assert z_tiles.isdisjoint(wide) == drops and z_tiles | wide >= set(_gemm._TMA_CONFIGS)
     plain_tiles = {s.config for s in grouped_fwd if not s.constexprs["STORE_Z"]}
     assert plain_tiles == set(_gemm._TMA_CONFIGS), "only the pre-activation store loses tiles"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expanded_operand_takes_pointers(monkeypatch, decisions, device):
+    """A stride-0 (``expand``-ed) operand is 16-byte aligned but not something a tensor map describes:
+    under SMPTK_GEMM_PATH=tma the launches that read it take the pointer path, the others TMA, and the
+    values and gradients match the fp32 reference."""
+    _setup(monkeypatch, device, "tma")
+    from smptk.kernels import fused_linear
+
+    (M, K), N = ALIGNED[device]
+    row = torch.randn(1, K, device=device, dtype=torch.float16, requires_grad=True)
+    w = torch.randn(N, K, device=device, dtype=torch.float16, requires_grad=True)
+    x = row.expand(M, K)
+    assert x.stride() == (0, 1)
+    y = fused_linear(x, w, activation="gelu")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # forward reads x (pointers), dx = dy @ w (TMA), dw = dy^T @ x (pointers)
+    assert decisions == [False, True, False], decisions
+    rf, wf = row.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    yf = torch.nn.functional.gelu(rf.expand(M, K) @ wf.T)
+    yf.backward(dy.float())
+    torch.testing.assert_close(y.float(), yf, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(row.grad.float(), rf.grad, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(w.grad.float(), wf.grad, rtol=2e-2, atol=5e-2)

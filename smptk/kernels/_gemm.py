@@ -596,14 +596,21 @@ def _hopper(device: torch.device) -> bool:
 
 def _tma_operand_ok(t: torch.Tensor, strides: tuple[int, ...], *dims: int) -> bool:
     """A view with these (logical) strides can be read by a TMA descriptor: one unit stride among the last
-    two, every other stride and the base 16-byte aligned, every dim below 2^31."""
+    two, the other one nonzero, every other stride and the base 16-byte aligned, every dim below 2^31.
+
+    A stride of 0 (an ``expand``-ed operand: every row the same memory) is 16-byte aligned but outside what
+    a tensor map describes (CUDA asks for each global stride to span the dims inside it), so such views take
+    the pointer path. The leading (expert) stride is only added to the base pointer, never described, so 0
+    is fine there (dense products are E = 1 views with a leading stride of 0)."""
     es = t.element_size()
     if t.data_ptr() % 16 or any(d > _INT32_LIMIT for d in dims):
         return False
     s0, s1 = strides[-2], strides[-1]
     if s1 != 1 and s0 != 1:
         return False
-    other = s0 if s1 == 1 else s1
+    other, other_dim = (s0, dims[-2]) if s1 == 1 else (s1, dims[-1])
+    if other == 0 and other_dim > 1:
+        return False
     lead = strides[:-2]
     return all((s * es) % 16 == 0 for s in (other, *lead))
 
