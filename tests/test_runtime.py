@@ -22,10 +22,11 @@ from helpers import (
     check_swiglu,
     linear_inputs,
     old_interpreter_reason,
+    one_rank_group,
     swiglu_inputs,
 )
 
-from smptk.kernels import _gemm, fused_linear, runtime, swiglu
+from smptk.kernels import _gemm, fused_linear, moe_route, runtime, swiglu
 
 CPU = torch.empty(2, device="cpu")
 CPU_BF16 = torch.empty(2, device="cpu", dtype=torch.bfloat16)
@@ -240,6 +241,43 @@ def test_public_ops_reject_invalid_switch(monkeypatch, op):
     w = torch.randn(5, 8)
     with pytest.raises(ValueError, match="SMPTK_KERNELS"):
         fused_linear(x, w) if op == "fused_linear" else swiglu(x, w, w)
+
+
+@pytest.mark.parametrize("requested", ["auto", "triton"])
+def test_dtensor_arguments_take_the_torch_path(monkeypatch, launches, requested):
+    """A Triton kernel would read one rank's shard as the whole tensor: DTensor arguments run the PyTorch
+    path (DTensor's sharding propagation gives the DTensor torch's ops give) under ``auto``, and are an
+    error naming the fix under ``triton``."""
+    if not runtime.interpreter_enabled():
+        pytest.skip(NO_INTERPRETER_REASON)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    monkeypatch.setenv("SMPTK_KERNELS", requested)
+    with one_rank_group():
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.randn(6, 8), mesh, [Replicate()])
+        w = distribute_tensor(torch.randn(5, 8), mesh, [Shard(0)])
+        logits = distribute_tensor(torch.randn(6, 4, dtype=torch.bfloat16), mesh, [Replicate()])
+        if requested == "triton":
+            for call in (lambda: fused_linear(x, w), lambda: swiglu(x, w, w), lambda: moe_route(logits, 2)):
+                with pytest.raises(RuntimeError, match=r"DTensor.*to_local"):
+                    call()
+        else:
+            y = fused_linear(x, w, activation="gelu")
+            assert isinstance(y, DTensor)
+            ref = torch.nn.functional.gelu(x.full_tensor() @ w.full_tensor().T)
+            torch.testing.assert_close(y.full_tensor(), ref)
+            assert runtime.select_path(logits, dot=False) == "torch"
+    assert launches == []
+
+
+def test_dot_free_kernels_keep_bf16_on_the_interpreter(interpreter, monkeypatch):
+    """Kernels without ``tl.dot`` (MoE routing and dispatch) run bf16 on the interpreter: ``dot=False``."""
+    monkeypatch.setenv("SMPTK_KERNELS", "auto")
+    interpreter(True)
+    assert runtime.select_path(CPU_BF16) == "torch"
+    assert runtime.select_path(CPU_BF16, dot=False) == "triton"
 
 
 def test_poison_env_fills_new_buffers_with_nan(monkeypatch):

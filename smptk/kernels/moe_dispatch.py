@@ -480,10 +480,9 @@ def _check_int_count(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name}: expected >= {low}, got {value}")
 
 
-def _triton_path(device: torch.device) -> bool:
-    # No tl.dot in these kernels, so bf16 is exact under the interpreter: ask runtime about the device only
-    # (runtime.select_path would send bf16 CPU tensors to torch for tl.dot's sake).
-    return runtime.select_path(torch.empty(0, device=device)) == "triton"
+def _triton_path(*tensors: torch.Tensor) -> bool:
+    # No tl.dot in these kernels, so bf16 is exact under the interpreter.
+    return runtime.select_path(*tensors, dot=False) == "triton"
 
 
 def moe_dispatch(
@@ -544,7 +543,7 @@ def moe_dispatch(
     capacity = capacity_of(capacity_factor, T, k, num_experts)
     if x.device.type == "meta":
         return _dispatch_meta(x, expert_ids, num_experts, capacity)
-    if not _triton_path(x.device):
+    if not _triton_path(x, expert_ids):
         return _dispatch_torch(x, expert_ids, num_experts, capacity)
     plan = dispatch_plan(expert_ids, num_experts, capacity)
     x_grouped = MoEDispatchFunction.apply(x, plan.source_token, plan.dest)
@@ -587,6 +586,6 @@ def moe_combine(y: torch.Tensor, plan: MoEDispatchPlan, weights: torch.Tensor) -
             f"weights: expected shape [T, k] = {tuple(plan.dest.shape)} (the plan's), "
             f"got {tuple(weights.shape)}"
         )
-    if not _triton_path(y.device):
+    if not _triton_path(y, weights):
         return _combine_torch(y, plan, weights)
     return MoECombineFunction.apply(y, weights, plan.dest, plan.source_pair)

@@ -329,8 +329,8 @@ def moe_route(
             )
         if expert_bias.device != logits.device:
             raise ValueError(f"expert_bias: on {expert_bias.device} but logits is on {logits.device}")
-    # No tl.dot here, so bf16 is exact under the interpreter: ask runtime about the device only.
-    if runtime.select_path(torch.empty(0, device=logits.device)) == "torch":
+    # No tl.dot here, so bf16 is exact under the interpreter.
+    if runtime.select_path(logits, dot=False) == "torch":
         return _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias)
     bias = expert_bias.detach().contiguous() if expert_bias is not None else None
     out = MoERouteFunction.apply(logits, bias, top_k, SCORE_FUNCS[score_func], renormalize)

@@ -23,6 +23,11 @@ Tensors on the ``meta`` device (shape propagation, delayed initialization) alway
 under ``SMPTK_KERNELS=triton`` too: there is nothing to compute, only shapes to propagate, and a process
 that forces Triton for training must still be able to build and trace its model on meta.
 
+DTensor arguments take the PyTorch path under ``auto``: its ops go through DTensor's sharding propagation,
+so the result is the DTensor the same torch code would give. A Triton kernel sees only memory, so it would
+compute on one rank's shard as if it were the whole tensor; under ``SMPTK_KERNELS=triton`` a DTensor is an
+error that says to pass local shards (``.to_local()``) or use :mod:`smptk.parallel`'s layers, which do.
+
 Without Triton installed (:func:`triton_available` false) every call takes the PyTorch path under ``auto``
 and is an error under ``triton``. Nothing here imports triton: availability is a look-up in the import
 system, so choosing the PyTorch path never loads it.
@@ -35,6 +40,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -96,20 +103,34 @@ def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> s
     return None
 
 
-def select_path(*tensors: torch.Tensor) -> str:
+def _is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded wherever a DTensor exists; never import it
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def select_path(*tensors: torch.Tensor, dot: bool = True) -> str:
     """Return "triton" or "torch" for a call whose tensor arguments are ``tensors``.
 
-    Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on, and
-    for CPU tensors when ``TRITON_INTERPRET`` was switched on after triton was imported. Meta tensors
-    get "torch" whatever ``SMPTK_KERNELS`` says (see the module docstring).
+    Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on (DTensors
+    included), and for CPU tensors when ``TRITON_INTERPRET`` was switched on after triton was imported. Meta
+    tensors get "torch" whatever ``SMPTK_KERNELS`` says (see the module docstring). ``dot=False``: the
+    kernels use no ``tl.dot``, so bf16 is exact under the interpreter and is not sent to the PyTorch path.
     """
     requested = requested_path()
     device = tensors[0].device
     if requested == "torch" or device.type == "meta":
         return "torch"
+    if any(_is_dtensor(t) for t in tensors):
+        if requested == "triton":
+            raise RuntimeError(
+                f"{KERNELS_ENV}=triton but an argument is a DTensor: a Triton kernel would compute on this "
+                "rank's shard as if it were the whole tensor; pass local tensors (.to_local()) or use "
+                "smptk.parallel's layers (ColumnParallelLinear, RowParallelLinear, MoE)"
+            )
+        return "torch"
     if device.type == "cpu" and triton_available():
         _check_interpreter_unchanged()
-    blocker = _triton_blocker(device, tensors[0].dtype)
+    blocker = _triton_blocker(device, tensors[0].dtype if dot else None)
     if requested == "triton" and blocker is not None:
         raise RuntimeError(f"{KERNELS_ENV}=triton but {blocker}")
     return "triton" if blocker is None else "torch"
