@@ -161,6 +161,10 @@ def test_router_aux_loss_moves_to_smptk(one_rank, monkeypatch) -> None:
     assert module.model.layers[0].mlp.router_weight.grad.abs().sum() > 0
     dense, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
     assert sp.moe_aux_loss(dense).item() == 0.0
+    # Asked per call, the router logits do not exist: a clear error, not an IndexError inside transformers.
+    with pytest.raises(ValueError, match=r"output_router_logits=True.*moe_aux_loss"):
+        module(ids, labels=ids, output_router_logits=True)
+    assert module(ids, labels=ids, output_router_logits=False).loss.isfinite()
 
 
 def test_moe_block_in_another_layout_is_refused(one_rank) -> None:

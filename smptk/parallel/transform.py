@@ -16,7 +16,8 @@ current one), in the order a model is prepared:
    block's output is the same function of its input. The load-balancing loss: with the model config's
    ``output_router_logits``, each MoE keeps ``router_aux_loss_coef`` times smptk's loss in ``aux_loss``
    (add :func:`moe_aux_loss` to the training loss) and the Hugging Face loss no longer adds its own (it
-   reads router logits the swapped blocks do not record).
+   reads router logits the swapped blocks do not record; a call with ``output_router_logits=True`` raises
+   ``ValueError`` saying so).
 2. **Tensor parallelism** (``tensor_parallel_degree`` > 1), smptk's styles through torch's
    ``parallelize_module``: q / k / v and the dense MLP's gate / up column-parallel, o and down
    row-parallel, the embedding vocab-parallel, and ``lm_head`` column-parallel with its logits gathered
@@ -306,6 +307,19 @@ def _gather_sequence(module: nn.Module, group: Any, tp: int, rank: int) -> None:
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
+def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A call of a transformed MoE model asking for ``output_router_logits``: the swapped blocks record no
+    router logits, so Hugging Face's loss would index an empty tuple (an IndexError deep in
+    ``load_balancing_loss_func``) or return none; say what to use instead."""
+    if kwargs.get("output_router_logits"):
+        raise ValueError(
+            "output_router_logits=True: transform replaced the sparse MoE blocks with smptk.parallel.MoE, "
+            "which records no router logits; their load-balancing loss is smptk.parallel.moe_aux_loss(model) "
+            "(set model.config.output_router_logits = True before transform so each MoE computes it with "
+            "router_aux_loss_coef)"
+        )
+
+
 def _no_cache_in_training(model: nn.Module, base: nn.Module) -> None:
     """Checkpointed layers run their forward twice, and a key-value cache would see the keys twice: the
     recompute's attention then reads 2 x seq keys (SDPA's causal path slices them back, so values agree,
@@ -437,8 +451,10 @@ def transform(
     for i in sparse:
         base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg)
         moe_layers.append(f"{prefix}layers.{i}.mlp")
-    if moe_layers and getattr(cfg, "output_router_logits", False):
-        cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
+    if moe_layers:
+        if getattr(cfg, "output_router_logits", False):
+            cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
+        model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
 
     tensor_parallel: list[str] = []
     if tp > 1:
