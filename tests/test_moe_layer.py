@@ -183,6 +183,26 @@ def test_expert_bias_stays_fp32_through_dtype_casts() -> None:
     assert "expert_bias" in moe.state_dict()
 
 
+def test_loading_a_state_dict_starts_the_token_count_afresh() -> None:
+    """tokens_per_expert is not saved; after to_empty (uninitialized memory) + load_state_dict, the usual
+    way to fill a meta-built model, it held garbage that update_expert_bias steered the router by."""
+    src = _layer(top_k=2, expert_bias=True)
+    with torch.no_grad():
+        src.expert_bias.uniform_(-0.1, 0.1)
+    src(torch.randn(9, H))
+    assert "tokens_per_expert" not in src.state_dict() and src.tokens_per_expert.sum() == 18
+    with torch.device("meta"):
+        moe = _layer(top_k=2, expert_bias=True)
+    moe.to_empty(device="cpu")
+    moe.tokens_per_expert.fill_(123456)  # what uninitialized memory may hold
+    moe.load_state_dict(src.state_dict())
+    assert torch.equal(moe.tokens_per_expert, torch.zeros_like(moe.tokens_per_expert))
+    assert torch.equal(moe.expert_bias, src.expert_bias)
+    x = torch.randn(5, H)
+    moe(x)
+    assert int(moe.tokens_per_expert.sum()) == 10
+
+
 def test_reentrant_checkpointing_warns_that_aux_loss_has_no_gradient() -> None:
     """Reentrant activation checkpointing runs the forward under no_grad: aux_loss then has no gradient and
     the router silently lost its load-balancing gradient; the layer warns. Non-reentrant does not."""

@@ -45,7 +45,8 @@ on purpose inside a backward hook is not counted either. Call :meth:`MoE.update_
 backward (with the optimizer step), so a recompute routes with the bias the forward used. Reentrant
 checkpointing runs the first forward under no_grad, so its :attr:`aux_loss` has no gradient: the layer
 warns (use ``use_reentrant=False`` or :func:`smptk.parallel.apply_activation_checkpointing`).
-``expert_bias`` stays fp32 through ``.half()`` / ``.bfloat16()`` / ``.to(dtype)``.
+``expert_bias`` stays fp32 through ``.half()`` / ``.bfloat16()`` / ``.to(dtype)``. ``tokens_per_expert`` is
+not saved in the state dict, and loading one (after ``to_empty`` too) starts the count at zero.
 
 Losses: ``aux_loss`` after each forward holds ``aux_loss_coef * load-balancing loss + z_loss_coef *
 router z-loss`` of this rank's tokens (Switch Transformer's and ST-MoE's definitions, see
@@ -410,6 +411,15 @@ class MoE(nn.Module):
             self._buffers["expert_bias"] = bias
             raise
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """A state-dict load (``load_state_dict``, DCP's ``set_model_state_dict``) also starts the count in
+        ``tokens_per_expert`` afresh: the count is not saved (a non-persistent buffer), and after
+        ``to_empty`` + load, the usual way to fill a meta-built model from a checkpoint, it would hold
+        uninitialized memory that the next :meth:`update_expert_bias` steered the router by."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        with torch.no_grad():
+            self.tokens_per_expert.zero_()
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float = 1e-3, group: dist.ProcessGroup | None = None) -> torch.Tensor:
