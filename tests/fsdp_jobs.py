@@ -132,7 +132,11 @@ CASES = (
         {"hybrid_shard_degree": 2, "mixed_precision": "fp32", "comm_max_sms": 0},
         {"use_smptk_collectives": True, **KEEP},
     ),
-    ("replicate_ddp", {"hybrid_shard_degree": 1, "mixed_precision": "fp32", "comm_max_sms": 2}, {}),
+    (
+        "replicate_ddp",
+        {"hybrid_shard_degree": 1, "mixed_precision": "fp32", "comm_max_sms": 2},
+        {"ddp_options": {"gradient_as_bucket_view": True, "bucket_cap_mb": 1}},
+    ),
     ("tp2_fsdp", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 0, "mixed_precision": "fp32"}, KEEP),
     ("tp2_replicate", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1, "mixed_precision": "fp32"}, {}),
     ("full_shard_bf16", {"hybrid_shard_degree": 0, "mixed_precision": "bf16"}, KEEP),
@@ -217,6 +221,9 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
             ],
             "describe": report.describe(),
             "up_layer": type(full_model(model).blocks[0].up).__name__,
+            "ddp_options": (
+                (model.gradient_as_bucket_view, model.bucket_bytes_cap) if report.engine == "ddp" else None
+            ),
             "seconds": {
                 "init": t1 - t0,
                 "apply": t2 - t1,

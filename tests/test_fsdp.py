@@ -137,6 +137,7 @@ def test_report_replicate_on_ddp_with_smptk_hook(job) -> None:
         assert ag == rs == "none (replicated parameters)"
         assert ar == "smptk all-reduce (DDP comm hook, max_sms=2)"  # comm_max_sms 2 reached the hook
         assert calls == {("all-reduce", "symmetric", "float32"): 3}  # one 531-value bucket per step
+        assert run["ddp_options"] == (True, 1024 * 1024)  # ddp_options reached DistributedDataParallel
 
 
 def test_report_tensor_parallel_cases(job) -> None:
@@ -252,6 +253,15 @@ def test_argument_errors() -> None:
             TypeError, match="reshard_after_forward: expected a bool, an int or None, got str"
         ):
             apply_data_parallel(nn.Linear(2, 2), state, reshard_after_forward="yes")
+        with pytest.raises(TypeError, match="ddp_options: expected a mapping of keyword arguments, got list"):
+            apply_data_parallel(nn.Linear(2, 2), state, ddp_options=["static_graph"])
+        with pytest.raises(ValueError, match="ddp_options: 'process_group' is set by apply_data_parallel"):
+            apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"process_group": None})
+        with pytest.raises(ValueError, match=r"ddp_options: 'find_unused' is not an argument of Distributed"):
+            apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"find_unused": True})
+        # full shard runs on FSDP2, where DDP's options would do nothing
+        with pytest.raises(ValueError, match=r"ddp_options \['static_graph'\]: this model runs on FSDP2"):
+            apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"static_graph": True})
 
 
 def test_smptk_required_where_it_cannot_run() -> None:

@@ -64,8 +64,10 @@ Example (every rank, under torchrun)::
 import collections
 import dataclasses
 import importlib.util
+import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -338,6 +340,26 @@ def _check_args(model, state, reshard_after_forward, use_smptk_collectives) -> P
     return state
 
 
+_DDP_SET_BY_SMPTK = ("self", "module", "device_ids", "output_device", "process_group", "device_mesh")
+
+
+def _check_ddp_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"ddp_options: expected a mapping of keyword arguments, got {type(options).__name__}")
+    accepted = set(inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters)
+    for key in options:
+        if key in _DDP_SET_BY_SMPTK:
+            raise ValueError(f"ddp_options: {key!r} is set by apply_data_parallel from the ParallelState")
+        if key not in accepted:
+            known = sorted(accepted.difference(_DDP_SET_BY_SMPTK))
+            raise ValueError(
+                f"ddp_options: {key!r} is not an argument of DistributedDataParallel; it takes {known}"
+            )
+    return dict(options)
+
+
 def _numel(module: nn.Module, seen: set[int]) -> int:
     """Elements of ``module``'s parameters not counted yet (``seen`` holds the ids already counted)."""
     total = 0
@@ -359,6 +381,7 @@ def apply_data_parallel(
     modules: ModuleSpec = None,
     reshard_after_forward: bool | int | None = True,
     use_smptk_collectives: str | bool = "auto",
+    ddp_options: Mapping[str, Any] | None = None,
 ) -> tuple[nn.Module, DataParallelReport]:
     """Shard (FSDP2) or replicate (DDP) ``model`` over the data-parallel ranks of ``state``.
 
@@ -375,12 +398,18 @@ def apply_data_parallel(
             forward and gathers them again in backward; False keeps them; None lets FSDP2 keep the root's.
         use_smptk_collectives: "auto" (smptk's where its heap applies, else torch's, with the reason in
             the report), True (smptk's; RuntimeError where they cannot apply) or False (torch's).
+        ddp_options: keyword arguments for ``DistributedDataParallel`` on the DDP path
+            (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+            ``broadcast_buffers``...; not those smptk sets: ``module``, ``device_ids``, ``output_device``,
+            ``process_group``, ``device_mesh``). ``ValueError`` when the model runs on FSDP2 instead (the
+            report's ``engine``): there they would do nothing.
 
     Returns:
         ``(module, report)``: the module to train (``model`` itself, now an FSDPModule, or a
         ``DistributedDataParallel`` wrapping it) and the :class:`DataParallelReport`.
     """
     state = _check_args(model, state, reshard_after_forward, use_smptk_collectives)
+    ddp_options = _check_ddp_options(ddp_options)
     sizes = state.sizes
     cfg = state.config
     if cfg.delayed_parameter_initialization and any(not p.is_meta for p in model.parameters()):
@@ -417,7 +446,13 @@ def apply_data_parallel(
             engine = "ddp"
     policy = mixed_precision_policy(cfg.mixed_precision)
     if engine == "ddp":
-        return _apply_ddp(model, state, mode, use_smptk_collectives)
+        return _apply_ddp(model, state, mode, use_smptk_collectives, ddp_options)
+    if ddp_options:
+        why = f" ({why_engine})" if why_engine else ""
+        raise ValueError(
+            f"ddp_options {sorted(ddp_options)}: this model runs on FSDP2, mode {mode!r}{why}; DDP's "
+            "options apply only where hybrid_shard_degree 1 replicates on DDP"
+        )
     return _apply_fsdp2(
         model, state, mode, policy, modules, reshard_after_forward, use_smptk_collectives, why_engine
     )
@@ -500,13 +535,13 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
     )
 
 
-def _apply_ddp(model, state, mode, use_smptk):
+def _apply_ddp(model, state, mode, use_smptk, options):
     group = state.group("dp")
     blocker = None if use_smptk is False else _heap_blocker(group, state.device_type, "dp")
     smptk_on, why_torch = _smptk_choice(use_smptk, blocker)
     if state.device_type == "cuda":
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **options)
     calls: collections.Counter = collections.Counter()
     if smptk_on:
         max_sms = state.comm_max_sms or None  # 0 (copy engines) has no all-reduce: smptk's default
