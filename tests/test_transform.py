@@ -167,6 +167,16 @@ def test_router_aux_loss_moves_to_smptk(one_rank, monkeypatch) -> None:
     assert module(ids, labels=ids, output_router_logits=False).loss.isfinite()
 
 
+def test_ddp_options_reach_apply_data_parallel(one_rank) -> None:
+    """transform passes ddp_options on: one rank runs on FSDP2, where they are refused by name."""
+    with pytest.raises(
+        ValueError, match=r"ddp_options \['find_unused_parameters'\]: this model runs on FSDP2"
+    ):
+        sp.transform(
+            jobs.build("llama"), {"mixed_precision": "fp32"}, ddp_options={"find_unused_parameters": True}
+        )
+
+
 def test_moe_block_in_another_layout_is_refused(one_rank) -> None:
     model = jobs.build("llama")
     model.config.model_type = "mixtral"

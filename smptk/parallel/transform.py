@@ -366,6 +366,7 @@ def transform(
     state: ParallelState | None = None,
     sequence_parallel: bool = False,
     use_smptk_collectives: str | bool = "auto",
+    ddp_options: Mapping[str, Any] | None = None,
 ) -> tuple[nn.Module, TransformReport]:
     """Make a supported Hugging Face model parallel in place (see the module docstring).
 
@@ -383,7 +384,7 @@ def transform(
             ``1 / tp`` of the tokens and the activations between the tensor-parallel regions shrink by
             ``tp``. Needs a causal LM head, dense MLPs (not MoE) and sequence lengths divisible by
             ``tp``; nothing changes at ``tp`` 1.
-        use_smptk_collectives: passed to :func:`~smptk.parallel.apply_data_parallel`.
+        use_smptk_collectives, ddp_options: passed to :func:`~smptk.parallel.apply_data_parallel`.
 
     Returns:
         ``(module, report)``: the module to train (``model`` itself, now an FSDPModule, or a DDP wrapper)
@@ -475,7 +476,7 @@ def transform(
             for module in (layer.self_attn, layer.mlp):
                 _gather_sequence(module, group, tp, rank)
     module, dp_report = apply_data_parallel(
-        model, state, modules=layers, use_smptk_collectives=use_smptk_collectives
+        model, state, modules=layers, use_smptk_collectives=use_smptk_collectives, ddp_options=ddp_options
     )
     report = TransformReport(
         architecture=arch,
