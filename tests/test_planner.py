@@ -13,6 +13,7 @@ import dataclasses
 import doctest
 import importlib
 import json
+import re
 
 import pytest
 
@@ -319,6 +320,18 @@ def test_model_spec_rejects_nonsense_sizes(change: dict, match: str) -> None:
         dataclasses.replace(TINY_MOE, shared_expert_intermediate_size=-5)
 
 
+def test_seq_len_past_learned_positions_is_refused() -> None:
+    """A learned position table has no row past its length (GPT-2's n_positions); rotary models may run
+    past max_position_embeddings (context extension), so that stays allowed."""
+    gpt = dataclasses.replace(TINY, learned_positions=64)
+    estimate_memory(gpt, {}, seq_len=64, world_size=1)
+    with pytest.raises(ValueError, match="seq_len 65 exceeds .*64 learned positions"):
+        estimate_memory(gpt, {}, seq_len=65, world_size=1)
+    with pytest.raises(ValueError, match="seq_len 65 exceeds .*64 learned positions"):
+        advise(gpt, "p4d", seq_len=65)
+    estimate_memory(TINY, {}, seq_len=4 * TINY.max_position_embeddings, world_size=1)
+
+
 def test_moe_models_are_estimated_without_sequence_parallelism() -> None:
     """smptk runs MoE layers without sequence parallelism (transform refuses it): by default a MoE model's
     activations are those of tp without it (the estimate assumed it, so configs that cannot be built were
@@ -405,6 +418,7 @@ def test_advise_says_what_would_fit_when_nothing_does() -> None:
     assert adv.candidates == () and adv.best is None
     text = " ".join(adv.suggestions)
     assert "nodes" in text and "larger GPU" in text and "needs" in text
+    assert re.search(r"a larger GPU: \d+ x \S+ = \d+ GPUs \(.+\) would fit", text), text  # with its GPU count
     assert "nothing fits" in adv.summary()
 
 

@@ -312,6 +312,7 @@ def advise(
     cl = _cluster(cluster, nodes)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
+    spec.check_seq_len(seq_len)
     if global_batch_tokens is not None and (
         not isinstance(global_batch_tokens, int) or global_batch_tokens < seq_len
     ):
@@ -500,6 +501,7 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
         m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision)
         if m is not None and m <= other.gpu.memory_bytes - CUDA_CONTEXT_BYTES:
             out.append(
-                f"a larger GPU: {o.nodes} x {name} ({other.gpu.name}) would fit: {m / 2**30:.1f} GiB per GPU"
+                f"a larger GPU: {o.nodes} x {name} = {o.world_size} GPUs ({other.gpu.name}) would fit: "
+                f"{m / 2**30:.1f} GiB per GPU"
             )
     return out

@@ -285,6 +285,7 @@ def estimate_memory(
     for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}: expected an int >= 1, got {value!r}")
+    spec.check_seq_len(seq_len)
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
     if attention not in ATTENTION:

@@ -156,6 +156,16 @@ class ModelSpec:
     def num_moe_layers(self) -> int:
         return self.num_layers - len(set(self.dense_layers)) if self.is_moe else 0
 
+    def check_seq_len(self, seq_len: int) -> None:
+        """``ValueError`` when the model cannot take ``seq_len`` tokens: a learned position table (GPT-2's
+        ``n_positions``) has no row past its length. Rotary models take longer sequences than
+        ``max_position_embeddings`` (context extension), so that is not an error."""
+        if self.learned_positions and seq_len > self.learned_positions:
+            raise ValueError(
+                f"seq_len {seq_len} exceeds {self.name}'s {self.learned_positions} learned positions (its "
+                "position embedding table has no row for a later token)"
+            )
+
     def is_moe_layer(self, i: int) -> bool:
         return self.is_moe and i not in self.dense_layers
 
