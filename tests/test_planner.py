@@ -325,9 +325,9 @@ def test_seq_len_past_learned_positions_is_refused() -> None:
     past max_position_embeddings (context extension), so that stays allowed."""
     gpt = dataclasses.replace(TINY, learned_positions=64)
     estimate_memory(gpt, {}, seq_len=64, world_size=1)
-    with pytest.raises(ValueError, match="seq_len 65 exceeds .*64 learned positions"):
+    with pytest.raises(ValueError, match=r"seq_len 65 exceeds .*64 learned positions"):
         estimate_memory(gpt, {}, seq_len=65, world_size=1)
-    with pytest.raises(ValueError, match="seq_len 65 exceeds .*64 learned positions"):
+    with pytest.raises(ValueError, match=r"seq_len 65 exceeds .*64 learned positions"):
         advise(gpt, "p4d", seq_len=65)
     estimate_memory(TINY, {}, seq_len=4 * TINY.max_position_embeddings, world_size=1)
 
