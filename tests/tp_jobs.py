@@ -536,6 +536,21 @@ def _raises(
     problems.append(f"{label}: no error")
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """An embedding whose output is scaled (Gemma's): converting it would drop the scale."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+
+def _weight_normed(linear: nn.Linear) -> nn.Module:
+    return nn.utils.parametrizations.weight_norm(linear)
+
+
 def case_errors(ctx: _Ctx, problems: list[str]) -> None:
     """Bad input raises on every rank, before any collective, naming the argument and the numbers."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -586,6 +601,10 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
          lambda: ce(logits, zeros, group=m, reduction="avg")),
         ("style module", TypeError, ("nn.Linear", "Embedding"),
          lambda: SmptkColwiseParallel()._apply(nn.Embedding(4, 4), m)),
+        ("scaled embedding", TypeError, ("_ScaledEmbedding", "its own forward", "['scale']", "would drop"),
+         lambda: VocabParallelEmbedding.from_embedding(_ScaledEmbedding(2 * T, 3), mesh=m)),
+        ("parametrized linear", TypeError, ("ParametrizedLinear", "['parametrizations']"),
+         lambda: SmptkColwiseParallel()._apply(_weight_normed(nn.Linear(5, T)), m)),
         ("DTensor placement", ValueError, ("x", "Shard(dim=1)", "Replicate"), lambda: col(sharded)),
         ("column float64", TypeError, ("dtype", "float64"),
          lambda: ColumnParallelLinear(5, T, mesh=m, dtype=torch.float64)),
@@ -676,6 +695,20 @@ def case_fsdp(ctx: _Ctx, problems: list[str]) -> None:
     ref_opt.step()
     for name, ref in refs.items():
         _close(problems, f"fsdp step {name}", params[name].full_tensor(), ref)
+
+    # The embedding's padding row is a row of the full table: zeroed there, whatever FSDP2 cut (it used to
+    # zero this rank's TP-local row in its FSDP piece: the wrong row, or an IndexError past the piece).
+    from smptk.parallel import VocabParallelEmbedding
+
+    for pad in (1, 7):  # [8, 3] over tp 2 x dp_shard 2: pieces of 2 rows; 7 is TP rank 1's local row 3
+        emb = VocabParallelEmbedding(8, 3, padding_idx=pad, device="meta")
+        fully_shard(emb, mesh=fsdp_mesh)
+        emb.to_empty(device="cpu")
+        emb.reset_parameters(torch.Generator().manual_seed(5))
+        torch.manual_seed(5)
+        ref_emb = nn.Embedding(8, 3, padding_idx=pad)
+        _close(problems, f"fsdp init embedding (padding_idx {pad})", emb.weight.full_tensor(), ref_emb.weight,
+               exact=True)  # fmt: skip
 
     # A layer of the root's unit called on its own: FSDP2 has not gathered its parameters (it used to compute
     # with this rank's piece of them: silently wrong, or an IndexError in an embedding).

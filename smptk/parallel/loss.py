@@ -108,7 +108,10 @@ def vocab_parallel_cross_entropy(
     Args:
         logits_local: ``[.., Vl]`` float (any float dtype; the math is fp32), this rank's vocabulary
             columns ``r*Vl .. (r+1)*Vl``; every rank of the group holds the same ``Vl``. A DTensor
-            sharded on its last dim is taken as its local shard.
+            sharded on its last dim is taken as its local shard. Not the full logits (a head with
+            ``gather_output=True``): a plain tensor cannot say which it is, and full ``[.., V]`` logits
+            on every rank would be read as T shards of a ``T*V`` vocabulary (the loss off by ``log T``);
+            use ``F.cross_entropy`` on those.
         target: integer ``[..]`` (the logits' leading dims) of global ids in ``0 .. T*Vl - 1``, or
             ``ignore_index``; the same on every rank.
         group: the tensor-parallel group (a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)``); default

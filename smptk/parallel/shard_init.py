@@ -82,7 +82,9 @@ def fill_shard(
 ) -> None:
     """Draw the full ``param`` block by block on the CPU with ``draw(block, gen)`` and keep this rank's part.
 
-    ``draw`` fills a ``[rows, *shape[1:]]`` block as the unsharded module's init fills the whole weight.
+    ``draw`` fills a ``[rows, *shape[1:]]`` block as the unsharded module's init fills the whole weight; it
+    is called on the full tensor's row blocks in order, from row 0 (so a draw can count rows to find a
+    global row, as the embedding's padding row).
     """
     shape, dtype = tuple(param.shape), param.dtype
     local = param.to_local() if isinstance(param, DTensor) else param

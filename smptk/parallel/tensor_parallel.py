@@ -194,10 +194,27 @@ def _shard_of(full: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: in
     return param.requires_grad_(full.requires_grad)
 
 
+def _check_plain(module: nn.Module, base: type[nn.Module], name: str, state: tuple[str, ...]) -> None:
+    """``module`` is a ``base`` whose conversion loses nothing: a subclass with its own ``forward``, or with
+    parameters, buffers or submodules beyond ``state``, would have them dropped silently (a scaled
+    embedding lost its scale), so it is refused."""
+    if not isinstance(module, base):
+        raise TypeError(f"{name}: expected an nn.{base.__name__}, got {type(module).__name__}")
+    cls = type(module)
+    extra = [n for n, _ in module.named_parameters(recurse=False) if n not in state]
+    extra += [n for n, _ in module.named_buffers(recurse=False)] + list(module._modules)
+    if cls.forward is not base.forward or extra:
+        what = "its own forward" if cls.forward is not base.forward else ""
+        what += (" and " if what and extra else "") + (f"state {extra}" if extra else "")
+        raise TypeError(
+            f"{name}: {cls.__name__} subclasses nn.{base.__name__} with {what}, which the tensor-parallel "
+            f"layer would drop; convert a plain nn.{base.__name__} (apply the extra computation around it)"
+        )
+
+
 def _from_linear(cls, linear, w_placement, b_placement, mesh, src_data_rank, options):
     """A ``cls`` layer (built on meta) holding ``linear``'s weight and bias under the given placements."""
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+    _check_plain(linear, nn.Linear, "linear", ("weight", "bias"))
     w, b = linear.weight, linear.bias
     layer = cls(
         linear.in_features,
@@ -637,13 +654,16 @@ class VocabParallelEmbedding(_TensorParallelLayer):
         """N(0, 1) as ``nn.Embedding`` draws it, the padding row zeroed; see the module docstring."""
         if local(self.weight).is_meta:
             return
-        fill_shard(
-            self.weight, lambda block, gen: nn.init.normal_(block, generator=gen), init_generator(generator)
-        )
-        local_pad = self._local_padding_idx()
-        if local_pad is not None:
-            with torch.no_grad():
-                self.weight.to_local()[local_pad].zero_()
+        first_row = [0]  # fill_shard draws the full table's row blocks in order
+
+        def draw(block: torch.Tensor, gen: torch.Generator) -> None:
+            nn.init.normal_(block, generator=gen)
+            pad = None if self.padding_idx is None else self.padding_idx - first_row[0]
+            if pad is not None and 0 <= pad < block.shape[0]:
+                block[pad].zero_()  # in the full table's rows: right under any further sharding (FSDP2)
+            first_row[0] += block.shape[0]
+
+        fill_shard(self.weight, draw, init_generator(generator))
 
     def _local_padding_idx(self) -> int | None:
         p = self.padding_idx
@@ -661,8 +681,7 @@ class VocabParallelEmbedding(_TensorParallelLayer):
         **options,
     ) -> VocabParallelEmbedding:
         """A new layer holding ``embedding``'s table split by rows (see ColumnParallelLinear.from_linear)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"embedding: expected an nn.Embedding, got {type(embedding).__name__}")
+        _check_plain(embedding, nn.Embedding, "embedding", ("weight",))
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise ValueError(
                 "embedding: max_norm, scale_grad_by_freq and sparse are not supported by "

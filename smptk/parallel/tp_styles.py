@@ -13,6 +13,12 @@ style returns for a submodule, so each style converts the module object in place
 parameters and attributes; its hooks stay), as ``fully_shard`` changes a module's class. A fused
 activation replaces the one the model applies after the layer: set that one to ``nn.Identity()``.
 
+Only plain ``nn.Linear`` / ``nn.Embedding`` modules convert: a subclass with its own ``forward`` or extra
+state (a scaled embedding, a parametrized weight) is refused, since the new layer would drop it.
+Converting a weight that another module shares (an embedding tied to ``lm_head``) unties them, as torch's
+styles do; the head keeps the old full tensor. Both are ``[V, H]`` split by vocabulary rows, so after
+``parallelize_module`` tie them again: ``model.lm_head.weight = model.embed.weight``.
+
 Example (every rank of the tensor-parallel group)::
 
     >>> from torch.distributed.tensor.parallel import parallelize_module
