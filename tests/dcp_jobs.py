@@ -232,6 +232,26 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
         want = (name, str((good.shape[0] + 1, good.shape[1])), str(tuple(good.shape)))
         out["problems"]["wrong shape"] = [f"{e} lacks {w}" for w in want if w not in str(e)]
 
+    # 8. Rank 0's state dicts that do not fit: every rank raises the same error (an unexpected key used to
+    # raise on rank 0 only, leaving the others to hang at their next collective; torch's own position-keyed
+    # optimizer.state_dict() used to load as nothing).
+    position_keyed = {"state": {i: {} for i in range(3)}, "param_groups": []}
+    bad_inputs = {
+        "unexpected key": ({**saved_b["model"], "bogus": torch.zeros(1)}, None, ("unexpected ['bogus']",)),
+        "position-keyed optimizer state": (saved_b["model"], position_keyed, ("[0, 1, 2]", "keyed by name")),
+    }
+    for label, (model_state, optim_state, words) in bad_inputs.items():
+        try:
+            load_full_state_dict(
+                model,
+                model_state if rank == 0 else None,
+                opt if optim_state is not None else None,
+                optim_state if rank == 0 else None,
+            )
+            out["problems"][label] = ["no error"]
+        except ValueError as e:
+            out["problems"][label] = [f"{e} lacks {w!r}" for w in words if w not in str(e)]
+
     sp.reset()
     if rank == 0:
         out["saved"] = {"tp2_dp2": saved_a, "hsdp": saved_b}

@@ -50,7 +50,14 @@ def test_loads_under_another_config_exactly(job, phase: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "phase", ["snapshot (rank0_only=False)", "snapshot (rank0_only=True)", "wrong shape"]
+    "phase",
+    [
+        "snapshot (rank0_only=False)",
+        "snapshot (rank0_only=True)",
+        "wrong shape",
+        "unexpected key",
+        "position-keyed optimizer state",
+    ],
 )
 def test_full_state_dict_is_a_copy_and_a_wrong_shape_is_named(job, phase: str) -> None:
     """``get_full_state_dict`` shares no memory with the live model (a step leaves it as it was), and
@@ -122,3 +129,102 @@ def test_errors(tmp_path) -> None:
         load_checkpoint(tmp_path / "m", bigger)
     with pytest.raises(RuntimeError, match="default process group, and there is none"):
         load_full_state_dict(model, model.state_dict())
+
+
+def _adam_run(tmp_path, save_at_0: bool, **opt_kwargs) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, **opt_kwargs)
+    if save_at_0:
+        save_checkpoint(tmp_path / "at0", model, opt, step=0)
+        assert not opt.state, "saving changed the optimizer"
+    model(torch.ones(2, 4)).square().sum().backward()
+    opt.step()
+    return model.weight.detach().clone(), opt.state[model.weight]
+
+
+def test_an_unstepped_optimizer_saves_and_loads_as_new(tmp_path) -> None:
+    """Torch's get_state_dict makes an unstepped optimizer's state by a step at lr 0 (Adam's step count 1,
+    moments wd * p): saving at step 0 used to change the training that followed, and the checkpoint
+    held that made-up state. Now the optimizer is left as it was, and the checkpoint loads as a new one."""
+    w_plain, _ = _adam_run(tmp_path, False, weight_decay=0.1)
+    w_saved, state_saved = _adam_run(tmp_path, True, weight_decay=0.1)
+    assert torch.equal(w_plain, w_saved) and state_saved["step"].item() == 1.0
+    assert not any(k.startswith("optim.state.") for k in checkpoint_keys(tmp_path / "at0"))
+    # Loading it into a stepped optimizer resets that one to "new"; its groups' settings come back.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert load_checkpoint(tmp_path / "at0", model, opt) == 0
+    assert not opt.state and opt.param_groups[0]["lr"] == 0.1
+    opt.zero_grad()
+    model(torch.ones(2, 4)).square().sum().backward()
+    opt.step()
+    assert torch.equal(model.weight.detach(), w_plain)
+    fresh = torch.optim.Adam(model.parameters())
+    assert get_full_state_dict(model, fresh)["optim"]["state"] == {} and not fresh.state
+
+
+def test_load_with_gradients_present_loads_the_optimizer_state(tmp_path) -> None:
+    """Torch skips making an optimizer's state while a parameter holds .grad, which used to load the
+    weights and silently drop the saved state."""
+    model = dcp_jobs.TinyLM(seed=1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model, opt, step=1)
+    other = dcp_jobs.TinyLM(seed=2)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.01)
+    other(torch.zeros(2, 3, dtype=torch.long)).sum().backward()  # a warm-up: grads present
+    grads = {n: p.grad.clone() for n, p in other.named_parameters()}
+    assert load_checkpoint(tmp_path / "c", other, other_opt) == 1
+    assert len(other_opt.state) == len(opt.state) > 0
+    for (_, a), (_, b) in zip(opt.state.items(), other_opt.state.items(), strict=True):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and a["step"] == b["step"]
+    assert all(torch.equal(p.grad, grads[n]) for n, p in other.named_parameters())  # put back
+
+
+def test_load_refusals_name_the_problem(tmp_path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    groups = [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters(), "lr": 1e-3}]
+    opt = torch.optim.SGD(groups, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model, opt)
+    with pytest.raises(ValueError, match="holds 2 parameter groups, the optimizer has 1"):
+        load_checkpoint(tmp_path / "c", model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    with pytest.raises(RuntimeError, match=r"on the meta device .*materialize"):
+        load_checkpoint(tmp_path / "c", meta)
+    # DCP's CheckpointException derives from BaseException; it comes as a RuntimeError with its reason.
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    with pytest.raises(RuntimeError, match=r"loading the checkpoint at .*0\.weight"):
+        load_checkpoint(tmp_path / "c", wider)
+
+
+class _WithExtraState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.extra = {"scale": 1.0, "n": 0}
+
+    def get_extra_state(self) -> dict:
+        return dict(self.extra)
+
+    def set_extra_state(self, state: dict) -> None:
+        self.extra = dict(state)
+
+
+def test_strict_load_accepts_dict_extra_state(tmp_path) -> None:
+    """DCP flattens a dict from get_extra_state into ``_extra_state.<key>`` keys, which strict=True used to
+    call missing and unexpected."""
+    model = _WithExtraState()
+    model.extra = {"scale": 0.5, "n": 3}
+    save_checkpoint(tmp_path / "c", model, step=1)
+    other = _WithExtraState()
+    assert load_checkpoint(tmp_path / "c", other) == 1
+    assert other.extra == {"scale": 0.5, "n": 3}
+    assert torch.equal(other.lin.weight, model.lin.weight)

@@ -21,7 +21,7 @@ DESIGN.md, "Public surface"); what is here today:
 - Checkpoints that reshard (:mod:`smptk.parallel.dcp`, on ``torch.distributed.checkpoint``):
   :func:`save_checkpoint` / :func:`load_checkpoint` move model and optimizer state between any two
   configs (and one process); :func:`load_full_state_dict` broadcasts a full state dict held by rank 0;
-  :func:`get_full_state_dict` gathers one.
+  :func:`get_full_state_dict` gathers one; :func:`checkpoint_keys` lists what a checkpoint holds.
 - Activations and initialization: :func:`apply_activation_checkpointing` (:mod:`smptk.parallel.checkpointing`:
   full or selective recomputation of each block, as ``activation_checkpointing`` says, and with
   ``sm_activation_offloading`` an :class:`ActivationOffloader` keeping the blocks' inputs in host memory)
@@ -51,7 +51,13 @@ from smptk.parallel.config import (
     is_initialized,
     reset,
 )
-from smptk.parallel.dcp import get_full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from smptk.parallel.dcp import (
+    checkpoint_keys,
+    get_full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+    save_checkpoint,
+)
 from smptk.parallel.delayed_init import materialize
 from smptk.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from smptk.parallel.fsdp import DataParallelReport, DataParallelUnit, apply_data_parallel
@@ -86,6 +92,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_data_parallel",
     "apply_expert_parallel",
+    "checkpoint_keys",
     "current",
     "get_full_state_dict",
     "hf_state_dict",

@@ -87,14 +87,74 @@ def _check_model_optimizer(model: object, optimizer: object) -> None:
         )
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None, options=None) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` as get_state_dict gives them (optim only with an optimizer)."""
+def _state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, options=None, *, template: bool = False
+) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as get_state_dict gives them (optim only with an optimizer).
+
+    Torch's ``get_state_dict`` makes the state of an optimizer that has not stepped by running one step at
+    learning rate 0 on zero gradients, and skips that (returning no state at all) while any parameter
+    holds a ``.grad``. The made-up state is not a fresh one: Adam's step count becomes 1 (the next real
+    step's bias correction is then wrong) and with weight decay the moments hold ``wd * p``. So the
+    gradients are set aside for the call and put back, and for an optimizer without state the result
+    holds no state and the optimizer is left without it (as it was), unless ``template``: a load needs
+    the state's structure to fill from the checkpoint (every value is then overwritten, or dropped by
+    :func:`load_checkpoint` when the checkpoint holds none).
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model, options=options)}
-    msd, osd = get_state_dict(model, optimizer, options=options)
+    fresh = not optimizer.state
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        msd, osd = get_state_dict(model, optimizer, options=options)
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+    if fresh and not template:
+        osd = {**osd, "state": {}}
+        optimizer.state.clear()
     return {MODEL_KEY: msd, OPTIM_KEY: osd}
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """A meta tensor has no memory to load into: DCP would skip it and report nothing."""
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if _local(t).is_meta]
+    if meta:
+        raise RuntimeError(
+            f"model: {len(meta)} parameters / buffers are on the meta device ({meta[:4]}"
+            f"{' ...' if len(meta) > 4 else ''}); give them memory first (smptk.parallel.materialize, "
+            "or to_empty), then load"
+        )
+
+
+@contextlib.contextmanager
+def _checkpoint_errors(what: str):
+    """DCP's ``CheckpointException`` derives from BaseException (``except Exception`` misses it) and wraps
+    each rank's error in a traceback; re-raised as a RuntimeError whose message is the ranks' errors."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        errors = sorted({str(f[0] if isinstance(f, tuple) else f) for f in e.failures.values()})
+        raise RuntimeError(f"{what}: " + "; ".join(errors)) from e
+
+
+def _matching_keys(saved: set[str], wanted: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) model keys: DCP flattens a non-tensor entry (a dict from ``get_extra_state``)
+    into ``name.<key>`` keys, which count as that entry."""
+    nested = [k for k, v in wanted.items() if not torch.is_tensor(v)]
+
+    def covers(name: str, key: str) -> bool:
+        return key.startswith(name + ".")
+
+    missing = [k for k in wanted if k not in saved and not any(covers(k, s) for s in saved)]
+    unexpected = [s for s in saved if s not in wanted and not any(covers(n, s) for n in nested)]
+    return sorted(missing), sorted(unexpected)
 
 
 def save_checkpoint(
@@ -107,7 +167,10 @@ def save_checkpoint(
     """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` with DCP.
 
     Collective over the default process group (or a plain save on one process without one). The
-    directory is created; files of an earlier checkpoint there are overwritten.
+    directory is created; an earlier checkpoint's files there are overwritten where this save writes the
+    same names, and the others (a save by more ranks left more ``.distcp`` files) stay, unread. An
+    optimizer that has not stepped yet is saved without state (its parameter groups only) and left as it
+    was; loading that checkpoint gives an optimizer without state, as a new one.
 
     Args:
         path: the checkpoint directory (on a filesystem every rank sees, for a multi-node job).
@@ -123,7 +186,7 @@ def save_checkpoint(
     if step is not None:
         state[STEP_KEY] = step
     Path(path).mkdir(parents=True, exist_ok=True)
-    with _single_process_intended():
+    with _single_process_intended(), _checkpoint_errors(f"saving the checkpoint at {path!r}"):
         _dcp().save(state, checkpoint_id=path, no_dist=not _distributed())
 
 
@@ -153,16 +216,17 @@ def load_checkpoint(
 
     Collective over the default process group (or a plain load on one process without one). Each rank
     reads the slices its own parameters and optimizer state hold under the current config, from
-    whatever pieces the saving config wrote. An optimizer with no state yet gets it initialized first
-    (``get_state_dict`` runs one step at learning rate 0 on zero gradients), so load after building the
-    optimizer and before the first ``backward``.
+    whatever pieces the saving config wrote. The optimizer may be new (no state yet) or not, and the
+    parameters may hold gradients; the model must have memory (after ``materialize``, not on meta).
+    Mismatches (shapes, an optimizer of another class, another number of parameter groups) raise
+    naming the keys; DCP's own errors come as RuntimeError.
 
     Args:
         path: the checkpoint directory.
         model: the model, prepared for this run (tensor parallelism, FSDP2 or DDP) and with the same
             parameter names as the saved one.
-        optimizer: its optimizer (same class and parameter groups as the saved one), or None to load
-            the model only.
+        optimizer: its optimizer (same class and parameter groups as the saved one; groups are matched
+            by their parameters' names), or None to load the model only.
         strict: every parameter of ``model`` must be in the checkpoint (and nothing else in
             the model part of it); False loads what matches.
 
@@ -174,16 +238,27 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     keys = checkpoint_keys(path)
-    if optimizer is not None and not any(k.startswith(OPTIM_KEY + ".") for k in keys):
-        raise ValueError(
-            f"optimizer: the checkpoint at {path!r} holds no optimizer state (it was saved with "
-            "optimizer=None); pass optimizer=None to load the model only"
-        )
-    state = _state_dicts(model, optimizer)
+    _check_materialized(model)
+    saved_state = any(k.startswith(f"{OPTIM_KEY}.state.") for k in keys)
+    if optimizer is not None:
+        if not any(k.startswith(OPTIM_KEY + ".") for k in keys):
+            raise ValueError(
+                f"optimizer: the checkpoint at {path!r} holds no optimizer state (it was saved with "
+                "optimizer=None); pass optimizer=None to load the model only"
+            )
+        groups = {k.split(".")[2] for k in keys if k.startswith(f"{OPTIM_KEY}.param_groups.")}
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"optimizer: the checkpoint at {path!r} holds {len(groups)} parameter groups, the optimizer "
+                f"has {len(optimizer.param_groups)} (each group's settings, e.g. its lr, would go to other "
+                "parameters)"
+            )
+    state = _state_dicts(model, optimizer, template=True)
+    if optimizer is not None and not saved_state:  # saved before its first step: load it without state
+        state[OPTIM_KEY] = {**state[OPTIM_KEY], "state": {}}
     if strict:
         saved = {k[len(MODEL_KEY) + 1 :] for k in keys if k.startswith(MODEL_KEY + ".")}
-        wanted = set(state[MODEL_KEY])
-        missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+        missing, unexpected = _matching_keys(saved, state[MODEL_KEY])
         if missing or unexpected:
             raise KeyError(
                 f"the checkpoint at {path!r} does not match the model's parameter names: "
@@ -193,7 +268,7 @@ def load_checkpoint(
             )
     if STEP_KEY in keys:
         state[STEP_KEY] = 0
-    with _single_process_intended():
+    with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
         _dcp().load(state, checkpoint_id=path, no_dist=not _distributed(), planner=_planner(strict))
     set_state_dict(
         model,
@@ -202,6 +277,8 @@ def load_checkpoint(
         optim_state_dict=state.get(OPTIM_KEY, {}),
         options=StateDictOptions(strict=strict),
     )
+    if optimizer is not None and not saved_state:
+        optimizer.state.clear()  # as a new optimizer: its first step makes the state
     return state.get(STEP_KEY)
 
 
@@ -264,24 +341,16 @@ def load_full_state_dict(
             f"got {type(optimizer_state).__name__}"
         )
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    # Shapes checked on rank 0 against the model's global ones (DTensors carry them: no gathering), the
-    # verdict broadcast so every rank raises (torch's broadcast fails on a shape mismatch without a name).
+    # Rank 0 checks what it was given against the model (global shapes: DTensors carry them, no gathering)
+    # and broadcasts its verdict, so every rank raises (torch raises on rank 0 only for an unexpected key,
+    # and fails on a shape mismatch without a name).
     verdict: list[str | None] = [None]
     if rank0:
-        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items() if torch.is_tensor(v)}
-        bad = [
-            f"{k}: {tuple(v.shape)}, the model's {shapes[k]}"
-            for k, v in model_state.items()
-            if torch.is_tensor(v) and k in shapes and tuple(v.shape) != shapes[k]
-        ]
-        if bad:
-            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
-            verdict[0] = "model_state: tensors of the wrong shape: " + "; ".join(bad[:8]) + more
+        verdict[0] = _full_state_problem(model, model_state, optimizer_state if optimizer else None, strict)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ValueError(verdict[0])
@@ -297,6 +366,54 @@ def load_full_state_dict(
             _map_tensors(dict(optimizer_state), lambda t: t.clone() if t.dim() == 0 else t) if rank0 else {}
         )
         set_optimizer_state_dict(model, optimizer, given, options=options)
+
+
+def _full_state_problem(
+    model: nn.Module, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any] | None, strict: bool
+) -> str | None:
+    """What is wrong with rank 0's full state dicts for ``model``, or None."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    def some(names: list[str]) -> str:
+        return f"{names[:8]}{f' (and {len(names) - 8} more)' if len(names) > 8 else ''}"
+
+    wanted = get_model_state_dict(model)
+    shapes = {k: tuple(v.shape) for k, v in wanted.items() if torch.is_tensor(v)}
+    bad = [
+        f"{k}: {tuple(v.shape)}, the model's {shapes[k]}"
+        for k, v in model_state.items()
+        if torch.is_tensor(v) and k in shapes and tuple(v.shape) != shapes[k]
+    ]
+    if bad:
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        return "model_state: tensors of the wrong shape: " + "; ".join(bad[:8]) + more
+    if strict:
+        missing = sorted(set(wanted) - set(model_state))
+        unexpected = sorted(set(model_state) - set(wanted))
+        if missing or unexpected:
+            return (
+                f"model_state does not match the model's names (strict): missing {some(missing)}, "
+                f"unexpected {some(unexpected)}"
+            )
+    if optimizer_state is not None:
+        per_param = optimizer_state.get("state")
+        if not isinstance(per_param, Mapping) or "param_groups" not in optimizer_state:
+            return (
+                "optimizer_state: expected {'state': ..., 'param_groups': ...}, get_full_state_dict's 'optim'"
+            )
+        foreign = [k for k in per_param if not isinstance(k, str) or k not in wanted]
+        if foreign:
+            position = any(isinstance(k, int) for k in foreign)
+            return (
+                f"optimizer_state: its state is keyed by {some(foreign)}, not by this model's parameter names"
+                + (
+                    " (torch's optimizer.state_dict() keys by position; pass get_full_state_dict(model, "
+                    "optimizer)['optim'], keyed by name)"
+                    if position
+                    else ""
+                )
+            )
+    return None
 
 
 def _map_tensors(obj: Any, fn) -> Any:
