@@ -105,6 +105,9 @@ def hf_named_grads(model) -> dict[str, torch.Tensor]:
     return hf_named(model, grads=True)
 
 
+CLIP_NORM = 0.5  # below every case's gradient norm, so clipping changes each step
+
+
 def _batch(rank: int, step: int, seq: int = SEQ) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 * step + rank)
     return torch.randint(0, VOCAB, (2, seq), generator=gen)
@@ -159,8 +162,6 @@ def _train(
             out = module(ids, labels=ids)
         loss = out.loss + sp.moe_aux_loss(module)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         mean /= world
@@ -172,6 +173,15 @@ def _train(
             if step == 0 and b == mine:
                 _close(problems, f"logits step {step}", out.logits, ref_out.logits)
         ref_loss.backward()
+        # Clipping over every mesh the parameters live on (tp, dp, ep; torch's own refuses the mix): the
+        # same total norm and, at a max_norm below it, the same clipped step as torch's on the plain model.
+        norm = sp.clip_grad_norm_(module.parameters(), CLIP_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP_NORM)
+        _close(problems, f"gradient norm step {step}", norm, ref_norm)
+        if ref_norm <= CLIP_NORM:
+            problems.append(f"step {step}: gradient norm {ref_norm:.3g} <= {CLIP_NORM}: nothing was clipped")
+        opt.step()
+        opt.zero_grad()
         opt_ref.step()
         opt_ref.zero_grad()
         _close(problems, f"loss step {step}", mean, ref_loss)

@@ -28,6 +28,8 @@ DESIGN.md, "Public surface"); what is here today:
   and
   :func:`materialize` (:mod:`smptk.parallel.delayed_init`: a meta-built, sharded model gets memory and
   initial values, each rank only its shards).
+- :func:`clip_grad_norm_` (:mod:`smptk.parallel.clip`): torch's gradient clipping for parameters on several
+  meshes (tensor-parallel, FSDP2, expert-parallel and plain ones in one model), where torch's refuses.
 - :class:`MoE`: router + SwiGLU experts (+ shared experts), one device or expert-parallel over a process
   group, on smptk's MoE kernels and ``smptk.comm.all_to_all_single``.
 - Expert parallelism as DTensors (:mod:`smptk.parallel.expert_parallel`): the ParallelStyle
@@ -43,6 +45,7 @@ DESIGN.md, "Public surface"); what is here today:
 """
 
 from smptk.parallel.checkpointing import ActivationOffloader, apply_activation_checkpointing
+from smptk.parallel.clip import clip_grad_norm_
 from smptk.parallel.config import (
     ParallelConfig,
     ParallelState,
@@ -93,6 +96,7 @@ __all__ = [
     "apply_data_parallel",
     "apply_expert_parallel",
     "checkpoint_keys",
+    "clip_grad_norm_",
     "current",
     "get_full_state_dict",
     "hf_state_dict",

@@ -1,0 +1,85 @@
+"""Gradient clipping for a model whose parameters live on several meshes.
+
+``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one tensor, which DTensor refuses
+when they sit on different meshes ("All operands in aten.stack.default must have the same mesh"). A
+model made parallel here has such a mix: tensor-parallel weights on ``(dp_replicate, dp_shard, tp)``
+after FSDP2, norms and routers on ``(dp_replicate, dp_shard)``, experts on ``(dp_replicate, edp_shard,
+ep)``, plain tensors under DDP. :func:`clip_grad_norm_` groups the gradients by mesh, takes each group's
+norm with torch's ``get_total_norm`` (a DTensor norm of sharded gradients is a partial one, reduced over
+that mesh by ``full_tensor``; a replicated gradient counts once), combines the groups' norms into the
+total and scales every gradient's local shard by torch's clip coefficient. No host sync; one all-reduce
+per mesh that holds sharded gradients.
+
+Example (every rank)::
+
+    >>> loss.backward()
+    >>> total = clip_grad_norm_(model.parameters(), max_norm=1.0)   # as torch's, on any mix of meshes
+    >>> opt.step()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on any mix of meshes (see the module docstring).
+
+    Args:
+        parameters: the parameters (or one tensor) whose ``.grad`` is clipped; those without one are skipped.
+        max_norm: the largest total norm the gradients keep (0 zeroes them, as torch's does).
+        norm_type: the p of the p-norm (``inf`` for the largest absolute value).
+        error_if_nonfinite: raise when the total norm is NaN or infinite (as torch's; a host sync).
+        foreach: torch's argument, for the per-group norms and the scaling.
+
+    Returns:
+        The total norm of all gradients as one plain fp32 tensor (the same on every rank), before clipping.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = list(parameters)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+        raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
+    norm_type = float(norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type, False, foreach)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    device = norms[0].device
+    norms = [n.to(device) for n in norms]
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max()
+    else:
+        total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
+            "cannot be clipped; error_if_nonfinite=False clips anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g  # the shard itself: scaled in place
+        by_device.setdefault(local.device, []).append(local)
+    for dev, tensors in by_device.items():
+        torch._foreach_mul_(tensors, coef.to(dev))
+    return total
+
+
+__all__ = ["clip_grad_norm_"]
