@@ -91,6 +91,7 @@ def main() -> None:
         out = model(ids, labels=ids)
         loss = out.loss + sp.moe_aux_loss(model)  # 0 for a dense model
         loss.backward()
+        sp.clip_grad_norm_(model.parameters(), max_norm=1.0)  # parameters on tp, dp and ep meshes
         opt.step()
         opt.zero_grad()
         if rank == 0:
