@@ -16,12 +16,15 @@ current one), in the order a model is prepared:
    block's output is the same function of its input. The load-balancing loss: with the model config's
    ``output_router_logits``, each MoE keeps ``router_aux_loss_coef`` times smptk's loss in ``aux_loss``
    (add :func:`moe_aux_loss` to the training loss) and the Hugging Face loss no longer adds its own (it
-   reads router logits the swapped blocks do not record; a call with ``output_router_logits=True`` raises
-   ``ValueError`` saying so).
+   reads router logits the swapped blocks do not record: every call gets ``output_router_logits=False``,
+   and one asking for True raises ``ValueError`` saying so). The model's config is not changed, so
+   ``save_pretrained`` writes the model's own. Unlike Hugging Face's, smptk's loss counts padding tokens
+   too (the MoE layers see no attention mask).
 2. **Tensor parallelism** (``tensor_parallel_degree`` > 1), smptk's styles through torch's
    ``parallelize_module``: q / k / v and the dense MLP's gate / up column-parallel, o and down
    row-parallel, the embedding vocab-parallel, and ``lm_head`` column-parallel with its logits gathered
-   (full ``[..., V]`` logits on every rank, so the model's own loss and generation work unchanged; for a
+   (full ``[..., V]`` logits on every rank, so the model's own loss and generation work unchanged, the
+   latter without ``sequence_parallel``, which needs every length divisible by ``tp``; for a
    loss that never materializes them, build with :func:`smptk.parallel.vocab_parallel_cross_entropy`
    directly). Attention then runs on each rank's ``heads / tp`` heads (the architectures reshape with
    ``-1`` heads); Qwen3's per-head q / k norms get their weight gradients summed over ``tp`` (their
@@ -37,9 +40,9 @@ current one), in the order a model is prepared:
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
 4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
    decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`. The key-value cache is then
-   off while training (``config.use_cache = False``, and a call asking for it in train mode gets
-   ``use_cache=False``), as under Hugging Face's own gradient checkpointing: a recomputed layer would
-   append its keys to the cache a second time.
+   off while training (every train-mode call gets ``use_cache=False``; the config is not changed), as
+   under Hugging Face's own gradient checkpointing: a recomputed layer would append its keys to the
+   cache a second time.
 5. **Data parallelism**: :func:`~smptk.parallel.apply_data_parallel` with one FSDP2 unit per decoder layer
    (or DDP for ``hybrid_shard_degree`` 1 where it applies).
 
@@ -307,10 +310,11 @@ def _gather_sequence(module: nn.Module, group: Any, tp: int, rank: int) -> None:
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
-def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A call of a transformed MoE model asking for ``output_router_logits``: the swapped blocks record no
-    router logits, so Hugging Face's loss would index an empty tuple (an IndexError deep in
-    ``load_balancing_loss_func``) or return none; say what to use instead."""
+def _no_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Every call of a transformed MoE model gets ``output_router_logits=False``: the swapped blocks record
+    no router logits, so Hugging Face's loss would index an empty tuple (an IndexError deep in
+    ``load_balancing_loss_func``). The config is left as it is (a saved config keeps the model's own
+    setting); a call asking for router logits raises, saying what to use instead."""
     if kwargs.get("output_router_logits"):
         raise ValueError(
             "output_router_logits=True: transform replaced the sparse MoE blocks with smptk.parallel.MoE, "
@@ -318,19 +322,19 @@ def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
             "(set model.config.output_router_logits = True before transform so each MoE computes it with "
             "router_aux_loss_coef)"
         )
+    return args, {**kwargs, "output_router_logits": False}
 
 
 def _no_cache_in_training(model: nn.Module, base: nn.Module) -> None:
     """Checkpointed layers run their forward twice, and a key-value cache would see the keys twice: the
     recompute's attention then reads 2 x seq keys (SDPA's causal path slices them back, so values agree,
     but selective checkpointing's op-by-op replay fails, and a masked path would be wrong). Hugging Face
-    turns ``use_cache`` off under its own gradient checkpointing; here the config's default becomes False
-    and a pre-hook on the base model sets ``use_cache=False`` while it trains (generation in eval mode
-    keeps its cache)."""
-    model.config.use_cache = False
+    turns ``use_cache`` off under its own gradient checkpointing; here a pre-hook on the base model passes
+    ``use_cache=False`` to every call while it trains (generation in eval mode keeps its cache). The config
+    is left as it is, so a saved config is the model's own."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if module.training and kwargs.get("use_cache"):
+        if module.training:
             kwargs = {**kwargs, "use_cache": False}
         return args, kwargs
 
@@ -350,7 +354,9 @@ def _split_sequence_hook(group: Any, tp: int, rank: int):
         if x.dim() != 3 or x.shape[1] % tp:
             raise ValueError(
                 f"sequence_parallel: the hidden states {tuple(x.shape)} must be [batch, seq, hidden] with "
-                f"the sequence length divisible by tensor_parallel_degree {tp}"
+                f"the sequence length divisible by tensor_parallel_degree {tp}, in eval mode too (so "
+                "generate(), whose decode steps feed one token, cannot run on a model transformed with "
+                "sequence_parallel=True: generate with one transformed without it, from the same weights)"
             )
         return _replace_hidden_states(
             args, kwargs, lambda x: cf.copy_to_group(x, group).chunk(tp, dim=1)[rank].contiguous()
@@ -383,7 +389,8 @@ def transform(
             along the sequence (dim 1) over ``tp`` (Megatron's sequence parallelism): the norms run on
             ``1 / tp`` of the tokens and the activations between the tensor-parallel regions shrink by
             ``tp``. Needs a causal LM head, dense MLPs (not MoE) and sequence lengths divisible by
-            ``tp``; nothing changes at ``tp`` 1.
+            ``tp`` in every forward, eval too (so no ``generate()``: its decode steps feed one token);
+            nothing changes at ``tp`` 1.
         use_smptk_collectives, ddp_options: passed to :func:`~smptk.parallel.apply_data_parallel`.
 
     Returns:
@@ -452,10 +459,8 @@ def transform(
     for i in sparse:
         base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg)
         moe_layers.append(f"{prefix}layers.{i}.mlp")
-    if moe_layers:
-        if getattr(cfg, "output_router_logits", False):
-            cfg.output_router_logits = False  # the swapped blocks record no router logits; see moe_aux_loss
-        model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+    if moe_layers:  # the swapped blocks record no router logits; see moe_aux_loss
+        model.register_forward_pre_hook(_no_router_logits, with_kwargs=True)
 
     tensor_parallel: list[str] = []
     if tp > 1:
