@@ -427,6 +427,37 @@ def case_styles(ctx: _Ctx, problems: list[str]) -> None:
             _close(problems, f"{label} {name}.grad", p.grad, _expected_local(ref_params[name].grad, p))
 
 
+def case_autocast(ctx: _Ctx, problems: list[str]) -> None:
+    """A column -> row pair of fp32 layers under ``torch.autocast`` computes in the autocast dtype and returns
+    it, as ``nn.Linear`` does, with sequence dim 0 (the fused linears' entry: it used to refuse the mixed
+    dtypes) and 1; the row layer's bias is cast too (its output used to come back fp32)."""
+    from smptk.parallel import ColumnParallelLinear, RowParallelLinear
+
+    T, r = ctx.tp, ctx.r
+    for seq_dim in (0, 1):  # seeds of its own: the other cases' data stays as it was
+        label = f"autocast(seq_dim={seq_dim})"
+        torch.manual_seed(900 + seq_dim)
+        up, down = nn.Linear(8, 4 * T), nn.Linear(4 * T, 8)
+        col = ColumnParallelLinear.from_linear(
+            up, mesh=ctx.mesh, src_data_rank=None, activation="gelu", sequence_parallel=True,
+            sequence_dim=seq_dim,
+        )  # fmt: skip
+        row = RowParallelLinear.from_linear(
+            down, mesh=ctx.mesh, src_data_rank=None, sequence_parallel=True, sequence_dim=seq_dim
+        )
+        x_full = torch.randn(*_seq_shape(seq_dim, 2 * T, 8))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_ref = down(F.gelu(up(x_full)))
+            y = row(col(x_full.chunk(T, seq_dim)[r]))
+        if y.dtype != y_ref.dtype:
+            problems.append(f"{label}: output {y.dtype}, nn.Linear's {y_ref.dtype}")
+        _close(problems, f"{label} output", y.float(), y_ref.chunk(T, seq_dim)[r].float(), tol=3e-2)
+        y.float().sum().backward()
+        grads = [p.grad for p in (*col.parameters(), *row.parameters())]
+        if any(g is None or g.dtype != torch.float32 for g in grads):
+            problems.append(f"{label}: parameter gradients {[None if g is None else g.dtype for g in grads]}")
+
+
 def case_init_stream(ctx: _Ctx, problems: list[str]) -> None:
     """Layers built after init, smptk's and torch's mixed, draw from torch's generator, which init seeded
     with random_seed: the plain model built in the same order after torch.manual_seed(random_seed) has the
@@ -725,6 +756,7 @@ def case_fsdp(ctx: _Ctx, problems: list[str]) -> None:
 
 CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
     "init_stream": case_init_stream,
+    "autocast": case_autocast,
     "column": case_column,
     "row": case_row,
     "embedding": case_embedding,

@@ -51,7 +51,13 @@ from smptk.comm import collectives as _coll
 from smptk.comm import functional
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels._buffers import new_buffer
-from smptk.kernels._checks import check_activation, check_float_tensor, check_same, check_weight
+from smptk.kernels._checks import (
+    autocast_inputs,
+    check_activation,
+    check_float_tensor,
+    check_same,
+    check_weight,
+)
 from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, grads_wanted, none_if_empty
 from smptk.kernels._triton import kernel_module
 
@@ -253,6 +259,7 @@ def all_gather_linear(
     g = _coll._group(group)
     world = dist.get_world_size(g)
     check_float_tensor("x_local", x_local)
+    x_local, weight_local, bias = autocast_inputs(x_local, weight_local, bias)  # as F.linear under autocast
     if x_local.dim() != 2:
         raise ValueError(f"x_local: expected a 2-D [T_w, K] block, got shape {tuple(x_local.shape)}")
     check_weight("weight_local", weight_local, x_local)
@@ -351,6 +358,7 @@ def linear_reduce_scatter(
     g = _coll._group(group)
     world = dist.get_world_size(g)
     check_float_tensor("x", x)
+    x, weight_local, bias = autocast_inputs(x, weight_local, bias)  # as F.linear under autocast
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D [T, K_local] input, got shape {tuple(x.shape)}")
     if x.shape[0] % world:

@@ -574,7 +574,7 @@ class RowParallelLinear(_TensorParallelLayer):
         x, w = autocast_inputs(x, w)  # as fused_linear would, so backward sees what the GEMM read
         y = _RowParallelLinearFunction.apply(x, w, self.group, d if self.sequence_parallel else -1, None)
         if self.bias is not None:
-            b = _local_param(self, "bias")
+            (b,) = autocast_inputs(_local_param(self, "bias"))  # F.linear's bias too: y keeps its dtype
             if self.sequence_parallel:  # each rank's bias gradient covers its tokens only: sum them
                 b = cf.copy_to_group(b, self.group)
             y = y + b
