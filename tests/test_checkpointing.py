@@ -332,6 +332,44 @@ def test_materialize_refuses_a_module_it_cannot_initialize(world1) -> None:
     assert all(p.is_meta for p in model.parameters()), "nothing was allocated"
 
 
+def test_materialize_refuses_parameters_no_reset_wrote(world1) -> None:
+    """A subclass that adds parameters and inherits its parent's reset_parameters (LoRA-style) passed the
+    check above, and its extra parameters kept to_empty's memory; now they are named after the resets."""
+
+    class LoRALinear(nn.Linear):
+        def __init__(self, n: int) -> None:
+            super().__init__(n, n)
+            self.lora_a = nn.Parameter(torch.zeros(2, n))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), LoRALinear(4))
+    with pytest.raises(RuntimeError, match=r"no reset_parameters\(\) gave 1\.lora_a values"):
+        materialize(model, world1)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), LoRALinear(4))
+    materialize(model, world1, allow_uninitialized=True)  # a checkpoint load follows
+
+
+def test_materialize_keeps_tied_parameters_tied_with_the_eager_values(world1) -> None:
+    """to_empty unties a shared parameter, and a second reset of it overwrote the first owner's values:
+    now it stays one tensor holding what the eager build gives (tied after both modules were built)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(6, 4)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.head.weight = self.emb.weight
+
+    with torch.device("meta"):
+        model = Tied()
+    materialize(model, world1)
+    assert model.head.weight is model.emb.weight
+    torch.manual_seed(world1.seed_for())
+    ref = Tied()
+    assert torch.equal(model.emb.weight, ref.emb.weight)
+
+
 def test_materialize_rejects_a_real_model(world1) -> None:
     model = _model()
     before = copy.deepcopy(model.state_dict())

@@ -23,8 +23,17 @@ equal a checkpoint, load it afterwards
 back uninitialized unless their module's ``reset_parameters`` refills them (torch's norms do): a module
 with a computed buffer (a rotary table, say) must recompute it there. A module that holds parameters or
 buffers of its own and has no ``reset_parameters`` is refused before anything is allocated (its values
-would be whatever memory ``to_empty`` gave), unless ``allow_uninitialized=True`` says a checkpoint load
-follows.
+would be whatever memory ``to_empty`` gave), and every floating parameter and buffer is filled with NaN
+before the resets and checked after them, so one that no reset wrote (a subclass adding parameters its
+inherited reset does not know) is named in a RuntimeError; ``allow_uninitialized=True`` allows both when
+a checkpoint load follows.
+
+Order: the resets run in ``model.modules()`` order, so the values are the eager build's when the model
+builds its submodules in the order it registers them and initializes them only in ``reset_parameters``
+(an init written in a parent's ``__init__`` is not replayed). A parameter shared by several modules (an
+embedding tied to the head) stays one tensor (``to_empty`` would untie it) and keeps the draw of its
+first owner in that order; the later owners' resets still draw, as their eager construction did, and
+their values are discarded, as the tie assigned after construction discards them.
 
 Example::
 
@@ -105,23 +114,84 @@ def materialize(
             "allow_uninitialized=True when a checkpoint is loaded next"
         )
     target = torch.device(device) if device is not None else _device(state)
-    model.to_empty(device=target)
+    ties = _shared_parameters(model)
+    model.to_empty(device=target)  # unties shared parameters (each slot gets its own new tensor)
+    for slots in ties:
+        first = slots[0][0]._parameters[slots[0][1]]
+        for module, name in slots[1:]:
+            module._parameters[name] = first
+    values = _floating_values(model)
+    with torch.no_grad():
+        for _, t in values:
+            t.fill_(float("nan"))  # what no reset_parameters wrote shows up below
     devices = []
     if target.type == "cuda":
         devices = [target.index if target.index is not None else torch.cuda.current_device()]
     ran = 0
+    done: set[int] = set()  # parameters a reset has given values (a shared one keeps its first owner's)
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(state.seed_for())
         with torch.no_grad():
             for module in model.modules():
                 reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    if "generator" in inspect.signature(reset).parameters:  # smptk's layers: one stream
-                        reset(generator=torch.default_generator)
-                    else:
-                        _reset_torch_module(module, reset)
-                    ran += 1
+                if not callable(reset):
+                    continue
+                own = list(module.parameters(recurse=False))
+                kept = [(p, _local(p).clone()) for p in own if id(p) in done]
+                if "generator" in inspect.signature(reset).parameters:  # smptk's layers: one stream
+                    reset(generator=torch.default_generator)
+                else:
+                    _reset_torch_module(module, reset)
+                for p, value in kept:  # as the tie assigned after both modules were built: the draw is lost
+                    _local(p).copy_(value)
+                done.update(id(p) for p in own)
+                ran += 1
+    if not allow_uninitialized:
+        _check_all_written(values)
     return ran
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) slots of each parameter held in more than one slot (a tied embedding and head)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, name))
+    return [s for s in slots.values() if len(s) > 1]
+
+
+def _floating_values(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, local value) of every floating parameter and buffer, each tensor once."""
+    seen: dict[int, tuple[str, torch.Tensor]] = {}
+    with torch.no_grad():  # a DTensor's to_local() is then its local tensor itself
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            local = _local(t)
+            if local.is_floating_point():
+                seen.setdefault(id(t), (name, local))
+    return list(seen.values())
+
+
+def _check_all_written(values: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise, naming them, when parameters or buffers still hold the NaN that materialize filled them with:
+    a ``reset_parameters`` that does not cover all of its module's tensors (a subclass that adds
+    parameters and inherits its parent's reset) left them uninitialized."""
+    if not values:
+        return
+    flags = torch.stack([t.isnan().any() for _, t in values]).tolist()  # one host sync
+    names = [name for (name, _), bad in zip(values, flags, strict=True) if bad]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise RuntimeError(
+        f"materialize: no reset_parameters() gave {shown} values (their module's reset does not cover "
+        "them, or wrote NaN); initialize them there, or pass allow_uninitialized=True when a checkpoint "
+        "is loaded next"
+    )
 
 
 def _reset_torch_module(module: nn.Module, reset) -> None:
