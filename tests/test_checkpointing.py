@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import smptk.parallel as parallel
-from smptk.parallel import ParallelConfig, apply_activation_checkpointing, materialize
+from smptk.parallel import ParallelConfig, apply_activation_checkpointing, checkpointing, materialize
 
 
 class Block(nn.Module):
@@ -210,7 +210,7 @@ def test_offloading_moves_inputs_out_and_back_ahead(horizon: int) -> None:
         _, grads = _backward_ops(model)
         for name, g in grads_plain.items():
             assert torch.equal(grads[name], g), (step, name)
-        stores, loads = off.log[:4], off.log[4:]
+        stores, loads = list(off.log)[:4], list(off.log)[4:]
         assert stores == [("store", i) for i in range(4)], off.log
         # on demand: block i when no earlier unpack prefetched it; prefetch: the horizon - 1 blocks before
         expected, loaded = [], set()
@@ -242,6 +242,7 @@ def test_offloading_one_backward_over_two_forwards() -> None:
     loads = [e for e in off.log if e[0] == "load"]
     assert len(stores) == 8 and len(loads) == 8, off.log
     assert not any(off._away.values()), "host copies still listed after backward"
+    assert off.log.maxlen == checkpointing.LOG_ENTRIES  # a long run keeps the latest events, not all
 
 
 def test_offloading_from_the_config_and_bad_arguments() -> None:

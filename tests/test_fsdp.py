@@ -264,6 +264,17 @@ def test_argument_errors() -> None:
             apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"static_graph": True})
 
 
+def test_ddp_refuses_a_meta_model_and_says_the_order() -> None:
+    """DDP checks its parameters' values across ranks (Tensor.item() on meta used to crash in there): the
+    replicated path takes a materialized model, and says so."""
+    with fake_world(2):
+        state = parallel.init({"hybrid_shard_degree": 1, "mixed_precision": "fp32"})
+        with torch.device("meta"):
+            model = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match=r"DDP .* on the meta device: call smptk\.parallel\.materialize"):
+            apply_data_parallel(model, state)
+
+
 def test_smptk_required_where_it_cannot_run() -> None:
     with fake_world(2):
         state = parallel.init({"tensor_parallel_degree": 2, "mixed_precision": "fp32"})  # dp_shard has 1 rank

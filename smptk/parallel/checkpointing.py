@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -126,6 +127,9 @@ class _Offloaded:
     used: bool = False  # backward has read it: no prefetch brings it back again
 
 
+LOG_ENTRIES = 4096  # events ActivationOffloader.log keeps (two per unit and step: 20+ steps of 100 units)
+
+
 class ActivationOffloader:
     """Saved-tensor hooks that keep checkpointed units' inputs in host memory between forward and
     backward, and bring them back while backward is at most ``horizon - 1`` units before them (see the
@@ -140,7 +144,8 @@ class ActivationOffloader:
             machine without a GPU, for tests; off by default (a CPU tensor has nowhere to go).
 
     Attributes:
-        log: ``("store", unit)`` / ``("load", unit, "prefetch" | "on demand")`` events, in order.
+        log: ``("store", unit)`` / ``("load", unit, "prefetch" | "on demand")`` events, in order: the
+            latest :data:`LOG_ENTRIES` (a deque, so a long run does not grow it without bound).
 
     Example (a machine without a GPU: ``offload_cpu`` runs the bookkeeping on CPU tensors)::
 
@@ -148,7 +153,7 @@ class ActivationOffloader:
         >>> apply_activation_checkpointing(model, mode="full", offloader=off)   # model.layers: 3 blocks
         ['layers.0', 'layers.1', 'layers.2']
         >>> model(x).sum().backward()
-        >>> off.log[3:]          # backward: block 2 on demand, each next one prefetched a block ahead
+        >>> list(off.log)[3:]    # backward: block 2 on demand, each next one prefetched a block ahead
         [('load', 2, 'on demand'), ('load', 1, 'prefetch'), ('load', 0, 'prefetch')]
     """
 
@@ -157,7 +162,7 @@ class ActivationOffloader:
             raise ValueError(f"horizon: expected an int >= 1, got {horizon!r}")
         self.horizon = horizon
         self.offload_cpu = offload_cpu
-        self.log: list[tuple] = []
+        self.log: collections.deque[tuple] = collections.deque(maxlen=LOG_ENTRIES)
         self._away: dict[int, list[_Offloaded]] = {}
         self._streams: dict[torch.device, tuple] = {}
 
@@ -264,6 +269,11 @@ def apply_activation_checkpointing(
 
     Returns:
         The qualified names of the units now checkpointed, in model order ([] for "none").
+
+    Limits: the units run torch's composable ``checkpoint``, whose recompute can run once per forward, so
+    a second backward through the same graph (``retain_graph=True``) and a gradient of a gradient
+    (``create_graph=True``, a gradient penalty) fail inside torch (``'_GeneratorContextManager' object
+    has no attribute 'args'``); such a model wraps its blocks in ``torch.utils.checkpoint`` instead.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")

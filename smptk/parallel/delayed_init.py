@@ -2,9 +2,10 @@
 
 With ``delayed_parameter_initialization``, a model too large for one device is built under
 ``torch.device("meta")`` (no memory, no random draws), parallelized there (tensor / expert parallelism,
-:func:`~smptk.parallel.apply_activation_checkpointing`, :func:`~smptk.parallel.apply_data_parallel`: all take
-meta parameters), and only then given memory: :func:`materialize` allocates every parameter and buffer
-on the state's device, each rank only its own shards (``nn.Module.to_empty`` keeps DTensor placements),
+:func:`~smptk.parallel.apply_activation_checkpointing`, :func:`~smptk.parallel.apply_data_parallel` on
+FSDP2: all take meta parameters; its replicated DDP path takes the materialized model), and only then
+given memory: :func:`materialize` allocates every parameter and buffer on the state's device, each rank
+only its own shards (``nn.Module.to_empty`` keeps DTensor placements),
 then seeds torch's generators with ``state.seed_for()`` (the same on every rank) and runs every
 submodule's ``reset_parameters()`` in ``model.modules()`` order, smptk's layers drawing from torch's
 default CPU generator too (their ``generator=`` argument). No rank ever holds the full model.

@@ -412,13 +412,6 @@ def apply_data_parallel(
     ddp_options = _check_ddp_options(ddp_options)
     sizes = state.sizes
     cfg = state.config
-    if cfg.delayed_parameter_initialization and any(not p.is_meta for p in model.parameters()):
-        warnings.warn(
-            "apply_data_parallel: delayed_parameter_initialization is set, but the model's parameters are "
-            "allocated already (every rank built the full model): build it under torch.device('meta'), "
-            "then call smptk.parallel.materialize(model, state) after apply_data_parallel",
-            stacklevel=2,
-        )
     mode = (
         "replicate"
         if sizes["dp_shard"] == 1
@@ -445,8 +438,24 @@ def apply_data_parallel(
         else:
             engine = "ddp"
     policy = mixed_precision_policy(cfg.mixed_precision)
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
     if engine == "ddp":
+        if meta:
+            raise ValueError(
+                f"model: DDP (hybrid_shard_degree 1, {mode}) replicates allocated parameters, and "
+                f"{meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device: call "
+                "smptk.parallel.materialize(model, state) first, then apply_data_parallel (FSDP2 takes a "
+                "meta model and materializes each rank's shards after; a replicated model is whole on every "
+                "rank anyway)"
+            )
         return _apply_ddp(model, state, mode, use_smptk_collectives, ddp_options)
+    if cfg.delayed_parameter_initialization and len(meta) < sum(1 for _ in model.parameters()):
+        warnings.warn(
+            "apply_data_parallel: delayed_parameter_initialization is set, but the model's parameters are "
+            "allocated already (every rank built the full model): build it under torch.device('meta'), "
+            "then call smptk.parallel.materialize(model, state) after apply_data_parallel",
+            stacklevel=2,
+        )
     if ddp_options:
         why = f" ({why_engine})" if why_engine else ""
         raise ValueError(
