@@ -54,8 +54,10 @@ their rows arrive. A row-parallel layer with ``sequence_parallel`` and ``sequenc
 tile into the heap slot of the rank that owns its rows, where ``max_sms`` programs sum the slots. Each
 one's backward runs the other's kernel (the column layer's input gradient is a GEMM + reduce-scatter, the
 row layer's an all-gather GEMM). Where the heap does not apply a layer falls back to the unfused pair
-and ``last_fused_reason`` says why. ``last_kernel_path`` names the kernel path ("triton" or "torch",
-:func:`smptk.kernels.runtime.select_path`); ``smptk.comm.last_path()`` names the collective's.
+and ``last_fused_reason`` says why (also when the layer's config has no fused path: no sequence
+parallelism, sequence dim 1, a SwiGLU pair, ``gather_output``). ``last_kernel_path`` names the kernel
+path ("triton" or "torch", :func:`smptk.kernels.runtime.select_path`); ``smptk.comm.last_path()`` names
+the collective's.
 
 Initialization (``reset_parameters``) reproduces the unsharded module exactly: each rank draws the full
 weight from one generator, in ``nn.Linear`` / ``nn.Embedding``'s order, and keeps its slice
@@ -231,6 +233,16 @@ def _from_linear(cls, linear, w_placement, b_placement, mesh, src_data_rank, opt
     return layer
 
 
+def _unfused_by_design(sequence_parallel: bool, sequence_dim: int) -> str:
+    """Why a layer whose config has no fused path ran unfused (``last_fused_reason``)."""
+    if not sequence_parallel:
+        return "no sequence parallelism (the fused linears gather or scatter the sequence)"
+    return (
+        f"sequence_dim {sequence_dim}: the fused linears need the sequence as dim 0 ([s, b, h]), where each "
+        "rank's block is whole rows"
+    )
+
+
 def _local_input(x: object, mesh: DeviceMesh, name: str, shard_dim: int | None = None) -> torch.Tensor:
     """``x`` as this rank's local tensor: a plain tensor, or a DTensor on ``mesh`` that is Replicate (or,
     when ``shard_dim`` is given, sharded along that dim of ``x``; negative counts from the end)."""
@@ -299,7 +311,7 @@ class _TensorParallelLayer(nn.Module):
         self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
         self.sequence_dim = _check_sequence_dim(sequence_dim)
         self.last_path: str | None = None
-        self.last_fused_reason: str | None = None  # why the fused path did not run (column layer)
+        self.last_fused_reason: str | None = None  # why the fused path did not run (linear layers)
         self.last_kernel_path: str | None = None
 
     @property
@@ -418,6 +430,13 @@ class ColumnParallelLinear(_TensorParallelLayer):
             y = F.pad(y, (self.tp_rank * n, (self.tp_size - 1 - self.tp_rank) * n))
             y = cf.reduce_from_group(y, self.group)
         self.last_path = "unfused"
+        self.last_fused_reason = (
+            "a SwiGLU pair (the fused all-gather GEMM takes one weight)"
+            if self.swiglu
+            else "gather_output (the fused all-gather GEMM leaves its output sharded)"
+            if self.gather_output
+            else _unfused_by_design(self.sequence_parallel, self.sequence_dim)
+        )
         return y
 
     def _fused_forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -579,6 +598,7 @@ class RowParallelLinear(_TensorParallelLayer):
                 b = cf.copy_to_group(b, self.group)
             y = y + b
         self.last_path = "unfused"
+        self.last_fused_reason = _unfused_by_design(self.sequence_parallel, self.sequence_dim)
         return y
 
     def _fused_forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
