@@ -147,20 +147,29 @@ def test_renormalization_follows_the_architecture(one_rank) -> None:
     assert {m.renormalize for m in qwen.modules() if isinstance(m, sp.MoE)} == {False}
 
 
-def test_router_aux_loss_moves_to_smptk(one_rank, monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_equals_hugging_faces(one_rank, monkeypatch, kind: str) -> None:
+    """With output_router_logits, out.loss + moe_aux_loss(model) is the stock model's out.loss (which adds
+    router_aux_loss_coef times its load-balancing loss pooled over the layers), and so are the gradients:
+    the router's, through that loss, too."""
     if not STACKED_EXPERTS:
         pytest.skip(OLD_LAYOUT)
     monkeypatch.setenv("SMPTK_KERNELS", "torch")
-    model = jobs.build("mixtral", output_router_logits=True, router_aux_loss_coef=0.05)
+    model = jobs.build(kind, output_router_logits=True, router_aux_loss_coef=0.05)
+    ref = copy.deepcopy(model)
     module, _ = sp.transform(model, {"mixed_precision": "fp32"})
     assert model.config.output_router_logits is True  # left as it is: save_pretrained keeps the setting
-    assert {m.aux_loss_coef for m in module.modules() if isinstance(m, sp.MoE)} == {0.05}
     ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(2))
-    out = module(ids, labels=ids)
+    out, want = module(ids, labels=ids), ref(ids, labels=ids)
     aux = sp.moe_aux_loss(module)
     assert aux.dim() == 0 and aux.item() > 0 and aux.requires_grad
+    assert want.aux_loss is not None and aux.item() == pytest.approx(0.05 * want.aux_loss.item(), rel=1e-5)
+    torch.testing.assert_close(out.loss + aux, want.loss, rtol=1e-6, atol=1e-6)
     (out.loss + aux).backward()
-    assert module.model.layers[0].mlp.router_weight.grad.abs().sum() > 0
+    want.loss.backward()
+    grads = jobs.hf_named_grads(module)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     dense, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
     assert sp.moe_aux_loss(dense).item() == 0.0
     # Asked per call, the router logits do not exist: a clear error, not an IndexError inside transformers.

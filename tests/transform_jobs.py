@@ -292,6 +292,7 @@ def _bad_input(problems: list[str]) -> None:
 
 MOE_KINDS = ("mixtral", "qwen3_moe")
 MOE_CASES = ("tp2_mixtral", "ep2_mixtral", "meta_ep2_mixtral")
+AUX_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 CASES = {
     "tp2_llama": lambda p: _train(
         p, "llama", {"tensor_parallel_degree": 2, "activation_checkpointing": "full"}, same_batch=True
@@ -317,7 +318,10 @@ CASES = {
     "meta_ep2_mixtral": lambda p: _meta_load(p, "mixtral", {"expert_parallel_degree": 2}),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
     "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
-    "ep2_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False),
+    # with Hugging Face's load-balancing loss: moe_aux_loss on each rank's tokens, as the stock model's
+    "ep2_mixtral": lambda p: _train(
+        p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False, **AUX_LOSS
+    ),
     "bad_input": _bad_input,
 }
 
@@ -328,7 +332,7 @@ CASES_4 = {
         p, "llama", {"tensor_parallel_degree": 2, "activation_checkpointing": "full"}, batches=2, sp_=True
     ),
     "tp2_ep2_mixtral": lambda p: _train(
-        p, "mixtral", {"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, batches=2
+        p, "mixtral", {"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, batches=2, **AUX_LOSS
     ),
 }
 MOE_CASES_4 = ("tp2_ep2_mixtral",)

@@ -14,12 +14,12 @@ current one), in the order a model is prepared:
    architecture does, SwiGLU experts on smptk's grouped kernels) holding the block's weights: the router's
    ``[E, H]``, ``gate_up_proj`` split into ``w_gate`` / ``w_up`` and ``down_proj`` as ``w_down``. The
    block's output is the same function of its input. The load-balancing loss: with the model config's
-   ``output_router_logits``, each MoE keeps ``router_aux_loss_coef`` times smptk's loss in ``aux_loss``
-   (add :func:`moe_aux_loss` to the training loss) and the Hugging Face loss no longer adds its own (it
-   reads router logits the swapped blocks do not record: every call gets ``output_router_logits=False``,
-   and one asking for True raises ``ValueError`` saying so). The model's config is not changed, so
-   ``save_pretrained`` writes the model's own. Unlike Hugging Face's, smptk's loss counts padding tokens
-   too (the MoE layers see no attention mask).
+   ``output_router_logits``, :func:`moe_aux_loss` gives Hugging Face's (``router_aux_loss_coef`` times
+   the layers' pooled loss, from the router probabilities each MoE records) to add to the training loss,
+   and the Hugging Face loss no longer adds its own (it reads router logits the swapped blocks do not
+   record: every call gets ``output_router_logits=False``, and one asking for True raises ``ValueError``
+   saying so). The model's config is not changed, so ``save_pretrained`` writes the model's own. Unlike
+   Hugging Face's, the loss counts padding tokens too (the MoE layers see no attention mask).
 2. **Tensor parallelism** (``tensor_parallel_degree`` > 1), smptk's styles through torch's
    ``parallelize_module``: q / k / v and the dense MLP's gate / up column-parallel, o and down
    row-parallel, the embedding vocab-parallel, and ``lm_head`` column-parallel with its logits gathered
@@ -199,8 +199,12 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
     aux = getattr(cfg, "router_aux_loss_coef", 0.0) if getattr(cfg, "output_router_logits", False) else 0.0
     moe = MoE(
         H, F, E, int(cfg.num_experts_per_tok), score_func="softmax", renormalize=renormalize,
-        aux_loss_coef=float(aux), device=gate_up.device, dtype=gate_up.dtype,
+        device=gate_up.device, dtype=gate_up.dtype,
     )  # fmt: skip
+    # Hugging Face's load-balancing loss pools the layers (see moe_aux_loss): each layer records its mean
+    # router probabilities, and moe_aux_loss combines them with this coefficient.
+    moe.hf_aux_loss_coef = float(aux)
+    moe.record_router_probs = aux > 0
     with torch.no_grad():
         moe.router_weight.copy_(router)
         moe.experts.w_gate.copy_(gate_up[:, :F])
@@ -591,19 +595,41 @@ def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, tor
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
-    """The sum of every smptk MoE layer's ``aux_loss`` from the last forward (0-d fp32; zero without MoE
-    layers or auxiliary coefficients): add it to the training loss of a transformed MoE model.
+    """The load-balancing loss of a transformed MoE model's last forward (0-d fp32, differentiable; zero
+    without MoE layers or coefficients): add it to the training loss.
 
-    Each layer's loss is the Switch load-balancing loss (about 1 when balanced) times its coefficient, so
-    the sum is about L x coefficient for L MoE layers; Hugging Face's ``load_balancing_loss_func`` pools
-    the layers and counts each of the k chosen experts (about k). With the same ``router_aux_loss_coef``
-    this loss is about L / k times stronger (see the README)."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    For the layers :func:`transform` made from a model whose config sets ``output_router_logits``, it is
+    Hugging Face's ``router_aux_loss_coef * load_balancing_loss_func(...)``, the loss the stock model adds
+    to ``out.loss``: the layers' routings pooled, ``E * sum_e f_e * P_e`` with ``f_e`` the share of the
+    (token, chosen expert) pairs over all layers' tokens that went to expert e (each token counts k
+    times, once per chosen expert) and ``P_e`` the router's softmax probability of e averaged over all
+    layers' tokens. So ``out.loss + moe_aux_loss(model)`` is the stock model's ``out.loss`` (checked in
+    the tests), except for padding: the MoE layers see no attention mask, so padded tokens count here
+    and not there. Other smptk MoE layers add their own ``aux_loss`` (``aux_loss_coef`` times the
+    per-layer Switch loss, plus the z-loss)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    losses = [m.aux_loss.float() for m in layers if m.aux_loss is not None]
+    pooled = [m for m in layers if getattr(m, "hf_aux_loss_coef", 0.0) and m.last_router_probs is not None]
+    if pooled:
+        losses.append(_pooled_balance_loss(pooled))
     if not losses:
         first = next(model.parameters(), None)
         device = first.device if first is not None else None
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([loss.float() for loss in losses]).sum()
+    return torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+
+
+def _pooled_balance_loss(layers: list[MoE]) -> torch.Tensor:
+    """Hugging Face's ``load_balancing_loss_func`` (no attention mask) times the coefficient, from each
+    layer's last routing (counts of chosen experts) and mean router probabilities."""
+    rows = [m.last_routing.expert_ids.shape[0] for m in layers]
+    total = sum(rows)
+    E = layers[0].num_experts
+    if total == 0:
+        return torch.zeros((), dtype=torch.float32, device=layers[0].last_router_probs.device)
+    counts = torch.stack([m.last_routing.tokens_per_expert for m in layers]).sum(0).float()
+    probs = sum(m.last_router_probs * (t / total) for m, t in zip(layers, rows, strict=True))
+    return layers[0].hf_aux_loss_coef * E * (counts / total * probs).sum()
 
 
 __all__ = [
