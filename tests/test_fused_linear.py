@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import (
     ACTIVATIONS,
     DTYPES,
@@ -223,6 +224,39 @@ def test_relu_keeps_nan(monkeypatch, path):
     want.square().sum().backward()
     for got, exp in zip(ours, ref, strict=True):
         torch.testing.assert_close(got.grad, exp.grad, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "swiglu"])
+def test_fp16_pre_activation_overflow_keeps_finite_gradients(monkeypatch, activation):
+    """A pre-activation past fp16's 65504 (here -96000, summed in fp32) gives a finite output (the epilogue
+    reads the fp32 sum) and was saved for backward as -inf, where act'(z) evaluated to NaN: every gradient
+    of the layer was NaN under a finite loss. Now backward takes the derivative's exact tail there (0 for
+    these activations), and the gradients equal the fp32 reference's."""
+    from smptk.kernels import swiglu
+
+    use_path(monkeypatch, "triton", "cpu")
+    x = torch.full((3, 32), 100.0, dtype=torch.float16)
+    x[1] = 0.5  # a row that does not overflow
+    w = torch.full((4, 32), -30.0, dtype=torch.float16)
+    w[2] = 0.01
+    ours = [t.clone().requires_grad_() for t in (x, w)]
+    ref = [t.float().requires_grad_() for t in (x, w)]
+    if activation == "swiglu":
+        y = swiglu(ours[0], ours[1], ours[1] * 0 + 0.01)
+        g = ref[0] @ ref[1].T
+        want = torch.nn.functional.silu(g) * (ref[0] @ (ref[1] * 0 + 0.01).T)
+    else:
+        y = fused_linear(*ours, activation=activation)
+        z = ref[0] @ ref[1].T
+        act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+        want = act[activation](z)
+    assert y.isfinite().all()
+    torch.testing.assert_close(y.float(), want, rtol=2e-3, atol=2e-3)
+    y.float().sum().backward()
+    want.sum().backward()
+    for name, got, exp in zip(("x", "w"), ours, ref, strict=True):
+        assert got.grad.isfinite().all(), f"{name}.grad: {got.grad}"
+        torch.testing.assert_close(got.grad.float(), exp.grad, rtol=2e-2, atol=2e-2, msg=name)
 
 
 @pytest.mark.parametrize(("device", "path", "dtype"), DEVICE_PATH_DTYPE)

@@ -67,19 +67,33 @@ def activation_fwd(z, ACTIVATION: tl.constexpr):
     return z
 
 
+_FLAT = tl.constexpr(100.0)  # |z| beyond it: gelu' / gelu_tanh' / silu' are 0 (z < 0) or 1 in fp32
+_FMAX = tl.constexpr(3.0e38)  # a finite stand-in for an infinite saved value (below fp32's 3.4e38)
+
+
+@triton.jit
+def _flat_tails(z, g):
+    """``g`` (an activation's derivative at fp32 ``z``), but exactly 0 / 1 where ``|z| > 100``: there the
+    formulas multiply 0 by an overflowed term, and a pre-activation saved in 16 bits is +-inf where the
+    fp32 one passed 65504 (the forward, which reads the fp32 value, stays finite): NaN otherwise."""
+    return tl.where(tl.abs(z) > _FLAT, tl.where(z > 0.0, 1.0, 0.0), g)
+
+
 @triton.jit
 def activation_grad(z, ACTIVATION: tl.constexpr):
-    """d act(z) / dz for fp32 ``z`` (1 for no activation)."""
+    """d act(z) / dz for fp32 ``z`` (1 for no activation); finite for infinite ``z`` (see ``_flat_tails``)."""
     if ACTIVATION == 1:
         g = tl.where(z <= 0.0, 0.0, 1.0)  # 1 at NaN: torch's relu backward passes the gradient there
     elif ACTIVATION == 2:
         g = 0.5 * (1.0 + tl.math.erf(z * _SQRT1_2)) + z * tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
+        g = _flat_tails(z, g)
     elif ACTIVATION == 3:
         s = tl.sigmoid((z + z * z * z * _GELU_TANH_A) * _SQRT_2_OVER_PI * 2.0)
         g = s + z * s * (1.0 - s) * (z * z * _GELU_TANH_A * 3.0 + 1.0) * _SQRT_2_OVER_PI * 2.0
+        g = _flat_tails(z, g)
     elif ACTIVATION == 4:
         s = tl.sigmoid(z)
-        g = s * (1.0 + z * (1.0 - s))
+        g = _flat_tails(z, s * (1.0 + z * (1.0 - s)))
     else:
         g = tl.full(z.shape, 1.0, tl.float32)
     return g
@@ -146,10 +160,16 @@ def _swiglu_dh_kernel(
     h_ptrs = h_ptr + rows[:, None] * s_hm + cols[None, :] * s_hn
     g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptrs + N * s_hn, mask=mask, other=0.0).to(tl.float32)
+    # g and u are saved in 16 bits: +-inf where the fp32 products passed 65504 (fp16), though the forward
+    # read the fp32 ones. silu and silu' take their exact tails there, u a finite stand-in, and u meets
+    # silu' before dy, so a zero derivative gives 0, not inf * 0 = NaN.
+    u = tl.where(tl.abs(u) == float("inf"), tl.where(u > 0.0, _FMAX, -_FMAX), u)
     s = tl.sigmoid(g)
+    silu = tl.where(g < -_FLAT, 0.0, g * s)
+    dsilu = _flat_tails(g, s * (1.0 + g * (1.0 - s)))
     dh_ptrs = dh_ptr + rows[:, None] * s_dhm + cols[None, :] * s_dhn
-    tl.store(dh_ptrs, (dy * u * s * (1.0 + g * (1.0 - s))).to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptrs + N * s_dhn, (dy * g * s).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs, (dy * (u * dsilu)).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs + N * s_dhn, (dy * silu).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 def activation_backward(

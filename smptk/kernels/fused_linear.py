@@ -19,7 +19,10 @@ to y when grad is needed. Recomputing z would add a third M x N x K GEMM to the 
 FLOPs); saving costs one extra M x N store in the forward, about 5% of the forward at 16384 x 4096 ->
 14336 in bf16 (0.47 GB at ~3 TB/s = ~0.16 ms against ~2.6 ms of GEMM at ~750 TFLOP/s; estimate from the
 H100's public peak figures, not a measurement). Without grad (inference) z is not written at all. With no
-activation nothing extra is saved (dz = dy).
+activation nothing extra is saved (dz = dy). The epilogue applies the activation to the fp32 sum, so a z
+past fp16's 65504 gives a finite output but is saved as +-inf; the backward takes the derivative's exact
+tail for |z| > 100 (0 or 1 for gelu, gelu_tanh and silu), so the gradients stay those of the fp32 z (the
+PyTorch path, which rounds z first, gives NaN there, as ``F.silu(F.linear(...))`` in fp16 does).
 
 Example::
 
