@@ -264,6 +264,18 @@ def test_argument_errors() -> None:
             apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"static_graph": True})
 
 
+def test_replication_reason_names_every_cause() -> None:
+    """At tp 1 smptk's layers still hold DTensors: the reason said "tensor parallelism
+    (tensor_parallel_degree 1)", and never named bf16, the other cause."""
+    with fake_world(2):
+        state = parallel.init({"hybrid_shard_degree": 1, "mixed_precision": "bf16"})
+        model = nn.Sequential(parallel.ColumnParallelLinear(4, 4))
+        _, report = apply_data_parallel(model, state, use_smptk_collectives=False)
+        assert report.engine == "fsdp2"
+        assert "DDP cannot hold DTensor parameters (0.weight: smptk's parallel layers" in report.reason
+        assert "mixed_precision 'bf16'" in report.reason and "tensor_parallel_degree 1)" not in report.reason
+
+
 def test_ddp_refuses_a_meta_model_and_says_the_order() -> None:
     """DDP checks its parameters' values across ranks (Tensor.item() on meta used to crash in there): the
     replicated path takes a materialized model, and says so."""

@@ -203,6 +203,19 @@ def test_loading_a_state_dict_starts_the_token_count_afresh() -> None:
     assert int(moe.tokens_per_expert.sum()) == 10
 
 
+def test_router_runs_in_fp32_under_autocast() -> None:
+    """The router's logits are fp32 whatever x's dtype; under autocast F.linear re-cast its fp32 operands to
+    bf16, so the routing (weights, and for some tokens the experts) changed."""
+    moe = _layer(top_k=2)
+    x = torch.randn(64, H)
+    moe(x)
+    plain = moe.last_routing
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert torch.equal(moe.last_routing.expert_ids, plain.expert_ids)
+    assert torch.equal(moe.last_routing.weights, plain.weights)
+
+
 def test_reentrant_checkpointing_warns_that_aux_loss_has_no_gradient() -> None:
     """Reentrant activation checkpointing runs the forward under no_grad: aux_loss then has no gradient and
     the router silently lost its load-balancing gradient; the layer warns. Non-reentrant does not."""

@@ -424,17 +424,25 @@ def apply_data_parallel(
     has_dtensor = any(_is_dtensor(p) for p in model.parameters())
     engine, why_engine = "fsdp2", ""
     if mode == "replicate":
-        if has_dtensor or sizes["tp"] > 1:
-            why_engine = (
-                f"replicate runs on FSDP2 with a 1-rank dp_shard dim: DDP cannot hold the DTensor "
-                f"parameters of tensor parallelism (tensor_parallel_degree {sizes['tp']})"
+        reasons = []
+        if sizes["tp"] > 1:
+            reasons.append(
+                f"DDP cannot hold the DTensor parameters of tensor parallelism (tensor_parallel_degree "
+                f"{sizes['tp']})"
             )
-        elif cfg.mixed_precision != "fp32":
-            why_engine = (
-                f"replicate runs on FSDP2 with a 1-rank dp_shard dim: mixed_precision "
-                f"{cfg.mixed_precision!r} needs 16-bit parameters with fp32 reduction, and DDP's mixed "
-                "precision replaces any comm hook"
+        elif has_dtensor:
+            named = next(n for n, p in model.named_parameters() if _is_dtensor(p))
+            reasons.append(
+                f"DDP cannot hold DTensor parameters ({named}: smptk's parallel layers and torch's styles "
+                "make DTensors at tensor_parallel_degree 1 too)"
             )
+        if cfg.mixed_precision != "fp32":
+            reasons.append(
+                f"mixed_precision {cfg.mixed_precision!r} needs 16-bit parameters with fp32 reduction, and "
+                "DDP's mixed precision replaces any comm hook"
+            )
+        if reasons:
+            why_engine = "replicate runs on FSDP2 with a 1-rank dp_shard dim: " + "; ".join(reasons)
         else:
             engine = "ddp"
     policy = mixed_precision_policy(cfg.mixed_precision)

@@ -5,7 +5,8 @@ of the expert-parallel group, E_l = E / R experts per rank, rows = kept (token, 
 
 Forward, one device::
 
-    logits_TE = x_TH @ router_EH.T                 fp32 (the router runs in fp32 whatever x's dtype)
+    logits_TE = x_TH @ router_EH.T                 fp32 (whatever x's dtype, under autocast too; FSDP2's
+                                                   16-bit mixed precision rounds router_EH first)
     route     = moe_route(logits_TE, k)            weights_Tk fp32, expert ids, counts, aux and z losses
     xg, plan  = moe_dispatch(x_TH, ids_Tk, E)      rows grouped by expert; plan.offsets [E + 1]
     h         = grouped_swiglu(xg, w_gate, w_up, offsets)      [rows, F], one launch for all experts
@@ -371,7 +372,8 @@ class MoE(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [..., {self.hidden_size}], got {shape}")
         x_TH = x.reshape(-1, self.hidden_size)
-        logits_TE = F.linear(x_TH.float(), self.router_weight.float())
+        with torch.autocast(x_TH.device.type, enabled=False):  # fp32 under autocast too (it cast to bf16)
+            logits_TE = F.linear(x_TH.float(), self.router_weight.float())
         routing = moe_route(
             logits_TE,
             self.top_k,
@@ -397,10 +399,12 @@ class MoE(nn.Module):
                     self.tokens_per_expert += routing.tokens_per_expert
             if self.training and not torch.is_grad_enabled() and self.router_weight.requires_grad:
                 warnings.warn(
-                    "MoE: a training forward ran without grad mode (reentrant activation checkpointing "
-                    "runs the forward under no_grad): aux_loss carries no gradient, so the router gets no "
-                    "load-balancing gradient; use torch.utils.checkpoint(use_reentrant=False) or "
-                    "smptk.parallel.apply_activation_checkpointing",
+                    "MoE: a training-mode forward ran without grad mode (under torch.no_grad(): call "
+                    "model.eval() for evaluation, which also leaves tokens_per_expert alone; or in reentrant "
+                    "activation checkpointing, whose first forward runs under no_grad, so aux_loss "
+                    "carries no gradient and the router gets no load-balancing gradient; use "
+                    "torch.utils.checkpoint(use_reentrant=False) or smptk.parallel."
+                    "apply_activation_checkpointing)",
                     stacklevel=2,
                 )
         return y_TH.view(x.shape)
