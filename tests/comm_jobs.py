@@ -220,6 +220,12 @@ def split_matrix(pattern: str, world: int, dtype: torch.dtype, row: int) -> list
     if pattern == "beyond_heap":  # some segments exceed a rank's staging slot (heap / W): several rounds
         big = heap_elems(dtype) // world // row + 3
         return [[big + r if (r + d) % 2 == 0 else (r * d) % 3 for d in range(world)] for r in range(world)]
+    if pattern == "idle_beyond_heap":  # the last rank sends and receives nothing; rank 0 sends itself rounds
+        big = heap_elems(dtype) // world // row + 3
+        idle = world - 1
+        sizes = [[0 if idle in (r, d) else 1 for d in range(world)] for r in range(world)]
+        sizes[0][0] = big
+        return sizes
     if pattern == "empty":
         return [[0] * world for _ in range(world)]
     raise ValueError(pattern)
@@ -880,6 +886,9 @@ def catalog(world: int) -> list[Spec]:
     a2a = {"case": case_all_to_all, "dtype": "float32"}
     add("all_to_all-uneven-tensor-splits", **a2a, pattern="uneven", row_shape=(2,), splits="tensors")
     add("all_to_all-beyond_heap-agreed", **a2a, pattern="beyond_heap", row_shape=(5,), splits="agreed")
+    # a rank with no rows counts the rounds from its rows' width too (it took 0 and ran 1 round, the
+    # others several: a CommMismatchError; an expert-parallel rank without tokens did this)
+    add("all_to_all-idle-agreed", **a2a, pattern="idle_beyond_heap", row_shape=(5,), splits="agreed")
     for alg in ("kernel", "copy_engine"):
         add(f"split_mismatch-{alg}", case_split_mismatch, algorithm=alg)
     add(

@@ -106,13 +106,39 @@ ROUTING_CASES = ("even", "rank1_no_tokens", "all_to_rank0")
 
 def cases(world: int) -> list[str]:
     """The cases a W-rank job runs, in order."""
-    return list(CASES) if world == 2 else list(ROUTING_CASES)
+    return [*CASES, "expert_bias_group"] if world == 2 else list(ROUTING_CASES)
+
+
+def expert_bias_group(rank: int) -> list[str]:
+    """An expert-parallel layer's bias update needs the group whose ranks route other tokens: without it
+    each rank used to steer by its own load and keep another bias (the replicated router then chose by
+    another rule per rank); with it every rank ends with the same bias."""
+    problems = []
+    torch.manual_seed(0)
+    moe = MoE(H, F_, E, 2, expert_bias=True, ep_group=dist.group.WORLD)
+    moe(torch.randn(4 + 3 * rank, H, generator=torch.Generator().manual_seed(rank)))
+    try:
+        moe.update_expert_bias(1e-3)
+        problems.append("no error without group")
+    except ValueError as e:
+        if "expert-parallel" not in str(e):
+            problems.append(f"message: {e}")
+    load = moe.update_expert_bias(1e-3, group=dist.group.WORLD)
+    biases = [torch.empty_like(moe.expert_bias) for _ in range(dist.get_world_size())]
+    dist.all_gather(biases, moe.expert_bias)
+    if not all(torch.equal(b, biases[0]) for b in biases) or int(load.sum()) != 2 * (4 + 7):
+        problems.append(f"biases {[b.tolist() for b in biases]}, load {load.tolist()}")
+    return problems
 
 
 def run(rank: int, world: int) -> dict[str, str | None]:
     """Every case of ``cases(world)`` on every rank, in order; {case: None or the problems}."""
     outcomes: dict[str, str | None] = {}
     for name in cases(world):
-        options = CASES[name]
-        outcomes[name] = "\n".join(run_case(world, rank, name, options)) or None
+        problems = (
+            expert_bias_group(rank)
+            if name == "expert_bias_group"
+            else run_case(world, rank, name, CASES[name])
+        )
+        outcomes[name] = "\n".join(problems) or None
     return outcomes

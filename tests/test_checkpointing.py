@@ -371,6 +371,22 @@ def test_materialize_keeps_tied_parameters_tied_with_the_eager_values(world1) ->
     assert torch.equal(model.emb.weight, ref.emb.weight)
 
 
+def test_materialize_resets_a_moe_once(world1) -> None:
+    """MoE's reset_parameters resets its experts; materialize reset the experts module again (a second
+    draw), so the experts and every later layer differed from the eager build."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(parallel.MoE(8, 16, 4, 2, num_shared_experts=1), nn.Linear(8, 3))
+
+    with torch.device("meta"):
+        lazy = build()
+    materialize(lazy, world1)
+    torch.manual_seed(world1.seed_for())
+    eager = build()
+    for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+
+
 def test_materialize_rejects_a_real_model(world1) -> None:
     model = _model()
     before = copy.deepcopy(model.state_dict())

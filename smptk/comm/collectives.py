@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -985,8 +986,10 @@ def all_to_all_single(
     world = dist.get_world_size(g)
     in_rows = _splits("input_split_sizes", input_split_sizes, input, world)
     out_rows = _splits("output_split_sizes", output_split_sizes, output, world)
-    row_in = input[0].numel() if input.dim() and input.shape[0] else 0
-    row_out = output[0].numel() if output.dim() and output.shape[0] else 0
+    # elements per row from the shape, not from a row: a rank with no rows has rows of the same width, and
+    # agreed_max_split * width sizes the rounds every rank must agree on (0 gave it 1 round, the others 2+)
+    row_in = math.prod(input.shape[1:]) if input.dim() else 0
+    row_out = math.prod(output.shape[1:]) if output.dim() else 0
     if input.dim() > 1 and output.dim() > 1 and input.shape[1:] != output.shape[1:]:
         raise ValueError(
             f"output: rows of shape {tuple(output.shape[1:])} but input rows are {tuple(input.shape[1:])}"

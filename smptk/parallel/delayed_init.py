@@ -31,10 +31,12 @@ a checkpoint load follows.
 
 Order: the resets run in ``model.modules()`` order, so the values are the eager build's when the model
 builds its submodules in the order it registers them and initializes them only in ``reset_parameters``
-(an init written in a parent's ``__init__`` is not replayed). A parameter shared by several modules (an
-embedding tied to the head) stays one tensor (``to_empty`` would untie it) and keeps the draw of its
-first owner in that order; the later owners' resets still draw, as their eager construction did, and
-their values are discarded, as the tie assigned after construction discards them.
+(an init written in a parent's ``__init__`` is not replayed). A module whose own tensors an ancestor's
+reset already wrote (:class:`~smptk.parallel.MoE`'s reset resets its experts) is not reset again. A
+parameter shared by several modules (an embedding tied to the head) stays one tensor (``to_empty`` would
+untie it) and keeps the draw of its first owner in that order; the later owners' resets still draw, as
+their eager construction did, and their values are discarded, as the tie assigned after construction
+discards them.
 
 Example::
 
@@ -138,6 +140,9 @@ def materialize(
                 if not callable(reset):
                     continue
                 own = list(module.parameters(recurse=False))
+                if _written_already(module):  # by an ancestor's reset that resets its children (MoE's)
+                    done.update(id(p) for p in own)
+                    continue
                 kept = [(p, _local(p).clone()) for p in own if id(p) in done]
                 if "generator" in inspect.signature(reset).parameters:  # smptk's layers: one stream
                     reset(generator=torch.default_generator)
@@ -154,6 +159,15 @@ def materialize(
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _written_already(module: nn.Module) -> bool:
+    """Whether an earlier reset wrote every floating tensor of ``module``'s own (none holds materialize's
+    NaN fill any more): a parent whose ``reset_parameters`` resets its children, as the eager build's
+    constructor did once; resetting the child again would draw its values a second time."""
+    own = [_local(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
+    own = [t for t in own if t.is_floating_point() and t.numel()]
+    return bool(own) and not torch.stack([t.isnan().any() for t in own]).any().item()
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

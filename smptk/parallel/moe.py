@@ -440,8 +440,12 @@ class MoE(nn.Module):
         """Aux-loss-free balancing step: ``bias += rate * sign(mean load - load)``; returns the load used.
 
         The load is :attr:`tokens_per_expert` accumulated since the last update, summed over ``group``
-        when given (e.g. the data-parallel group, so every replica applies the same update); the counts
-        are then reset. Overloaded experts become less likely to be picked, underloaded ones more.
+        when given (the data-parallel group, ``state.group("dp")``, which holds the expert-parallel ranks:
+        every rank that routes other tokens, so every rank applies the same update); the counts are then
+        reset. Overloaded experts become less likely to be picked, underloaded ones more. An
+        expert-parallel layer needs ``group`` (each rank's own load would leave each rank another bias, and
+        the replicated router another rule per rank): ``ValueError`` without it; in a multi-process job
+        without expert parallelism a missing ``group`` warns, for the same reason across replicas.
 
         Example::
 
@@ -453,6 +457,18 @@ class MoE(nn.Module):
             raise RuntimeError("update_expert_bias: the layer was built without expert_bias=True")
         if not (_finite(rate) and rate > 0):
             raise ValueError(f"rate: expected a finite number > 0, got {rate!r}")
+        if group is None and self.ep_group is not None:
+            raise ValueError(
+                "group: this layer's experts are split over an expert-parallel group, so each rank counts "
+                "other tokens; pass the data-parallel group (state.group('dp'), which holds the ep ranks) "
+                "so every rank steers by the same summed load and keeps the same bias"
+            )
+        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            warnings.warn(
+                "update_expert_bias: no group in a multi-process job: each rank steers by its own load, so "
+                "data-parallel replicas end with different biases; pass group=state.group('dp')",
+                stacklevel=2,
+            )
         load = self.tokens_per_expert.clone()
         if group is not None:
             dist.all_reduce(load, group=group)
