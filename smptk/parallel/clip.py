@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,

@@ -140,7 +140,9 @@ def materialize(
                 if not callable(reset):
                     continue
                 own = list(module.parameters(recurse=False))
-                if _written_already(module):  # by an ancestor's reset that resets its children (MoE's)
+                # written by an ancestor's reset that resets its children (MoE's); a tied parameter written
+                # by its first owner (in ``done``) is no reason: that module's reset still draws, as eager
+                if not any(id(p) in done for p in own) and _written_already(module):
                     done.update(id(p) for p in own)
                     continue
                 kept = [(p, _local(p).clone()) for p in own if id(p) in done]
