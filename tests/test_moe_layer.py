@@ -203,6 +203,22 @@ def test_loading_a_state_dict_starts_the_token_count_afresh() -> None:
     assert int(moe.tokens_per_expert.sum()) == 10
 
 
+def test_recorded_router_probs_survive_checkpoint_recompute() -> None:
+    """record_router_probs under non-reentrant checkpointing: the recompute saves what the forward saved
+    (the probabilities were computed in the forward only: "a different number of tensors was saved"),
+    and last_router_probs is the forward's, with its gradient reaching the router."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _layer(top_k=2)
+    moe.record_router_probs = True
+    x = torch.randn(9, H)
+    y = checkpoint(moe, x, use_reentrant=False)
+    probs = moe.last_router_probs
+    assert probs.shape == (E,) and abs(probs.sum().item() - 1) < 1e-5
+    (y.sum() + probs.square().sum()).backward()
+    assert moe.router_weight.grad is not None and moe.last_router_probs is probs
+
+
 def test_router_runs_in_fp32_under_autocast() -> None:
     """The router's logits are fp32 whatever x's dtype; under autocast F.linear re-cast its fp32 operands to
     bf16, so the routing (weights, and for some tokens the experts) changed."""

@@ -65,6 +65,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -372,7 +373,12 @@ class MoE(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [..., {self.hidden_size}], got {shape}")
         x_TH = x.reshape(-1, self.hidden_size)
-        with torch.autocast(x_TH.device.type, enabled=False):  # fp32 under autocast too (it cast to bf16)
+        no_autocast = (  # fp32 under autocast too (it cast the router to bf16); meta has no autocast
+            contextlib.nullcontext()
+            if x_TH.device.type == "meta"
+            else torch.autocast(x_TH.device.type, enabled=False)
+        )
+        with no_autocast:
             logits_TE = F.linear(x_TH.float(), self.router_weight.float())
         routing = moe_route(
             logits_TE,
@@ -388,12 +394,15 @@ class MoE(nn.Module):
         y_TH = moe_combine(y_grouped, plan, routing.weights)
         if self.num_shared_experts:
             y_TH = y_TH + fused_linear(swiglu(x_TH, self.shared_gate, self.shared_up), self.shared_down)
+        probs = None
+        if self.record_router_probs:  # in a recompute too: it saves the same tensors as the forward
+            probs = torch.softmax(logits_TE, dim=-1)
+            probs = probs.mean(0) if probs.shape[0] else probs.sum(0)
         if not _in_backward():  # a checkpoint recompute leaves the statistics of its forward alone
             aux = routing.aux_loss * self.aux_loss_coef + routing.z_loss * self.z_loss_coef
             self.aux_loss, self.last_routing, self.last_plan = aux, routing, plan
-            if self.record_router_probs:
-                probs = torch.softmax(logits_TE, dim=-1)
-                self.last_router_probs = probs.mean(0) if probs.shape[0] else probs.sum(0)
+            if probs is not None:
+                self.last_router_probs = probs
             if self.training:  # an eval or generation forward does not steer the balancing
                 with torch.no_grad():
                     self.tokens_per_expert += routing.tokens_per_expert
