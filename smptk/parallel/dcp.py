@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smptk.parallel.shard_init import local as _local
+
 MODEL_KEY, OPTIM_KEY, STEP_KEY = "model", "optim", "step"
 
 
@@ -442,10 +444,6 @@ def get_full_state_dict(
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     return _copies(_state_dicts(model, optimizer, options), model, optimizer)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _copies(state: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:

@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from smptk.parallel.config import ParallelState, current
+from smptk.parallel.shard_init import local as _local
 
 
 def _device(state: ParallelState) -> torch.device:
@@ -157,10 +158,6 @@ def materialize(
     if not allow_uninitialized:
         _check_all_written(values)
     return ran
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _written_already(module: nn.Module) -> bool:
