@@ -103,7 +103,8 @@ def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> s
     return None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (a DTensor loaded it)."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # loaded wherever a DTensor exists; never import it
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
@@ -120,7 +121,7 @@ def select_path(*tensors: torch.Tensor, dot: bool = True) -> str:
     device = tensors[0].device
     if requested == "torch" or device.type == "meta":
         return "torch"
-    if any(_is_dtensor(t) for t in tensors):
+    if any(is_dtensor(t) for t in tensors):
         if requested == "triton":
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton but an argument is a DTensor: a Triton kernel would compute on this "

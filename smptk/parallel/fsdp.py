@@ -421,7 +421,7 @@ def apply_data_parallel(
     )
     if sizes["dp"] == 1:
         mode = "full_shard"  # one data-parallel rank: FSDP2 over a 1-rank mesh (nothing moves)
-    has_dtensor = any(_is_dtensor(p) for p in model.parameters())
+    has_dtensor = any(runtime.is_dtensor(p) for p in model.parameters())
     engine, why_engine = "fsdp2", ""
     if mode == "replicate":
         reasons = []
@@ -431,7 +431,7 @@ def apply_data_parallel(
                 f"{sizes['tp']})"
             )
         elif has_dtensor:
-            named = next(n for n, p in model.named_parameters() if _is_dtensor(p))
+            named = next(n for n, p in model.named_parameters() if runtime.is_dtensor(p))
             reasons.append(
                 f"DDP cannot hold DTensor parameters ({named}: smptk's parallel layers and torch's styles "
                 "make DTensors at tensor_parallel_degree 1 too)"
@@ -473,12 +473,6 @@ def apply_data_parallel(
     return _apply_fsdp2(
         model, state, mode, policy, modules, reshard_after_forward, use_smptk_collectives, why_engine
     )
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _smptk_choice(use_smptk_collectives, blocker: str | None) -> tuple[bool, str]:
