@@ -151,7 +151,7 @@ def test_renormalization_follows_the_architecture(one_rank) -> None:
 def test_router_aux_loss_equals_hugging_faces(one_rank, monkeypatch, kind: str) -> None:
     """With output_router_logits, out.loss + moe_aux_loss(model) is the stock model's out.loss (which adds
     router_aux_loss_coef times its load-balancing loss pooled over the layers), and so are the gradients:
-    the router's, through that loss, too."""
+    the router's, through that loss, too; with a padded batch's attention mask as well."""
     if not STACKED_EXPERTS:
         pytest.skip(OLD_LAYOUT)
     monkeypatch.setenv("SMPTK_KERNELS", "torch")
@@ -170,6 +170,30 @@ def test_router_aux_loss_equals_hugging_faces(one_rank, monkeypatch, kind: str) 
     grads = jobs.hf_named_grads(module)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # A padded batch: the call's attention mask leaves the padding out of the loss, as Hugging Face's does.
+    ref.zero_grad()
+    for p in module.parameters():
+        p.grad = None
+    mask = torch.ones_like(ids)
+    mask[0, : jobs.SEQ // 2] = 0  # left padding
+    out, want = module(ids, attention_mask=mask, labels=ids), ref(ids, attention_mask=mask, labels=ids)
+    aux = sp.moe_aux_loss(module)
+    assert aux.item() == pytest.approx(0.05 * want.aux_loss.item(), rel=1e-5)
+    unmasked = module(ids, labels=ids)  # the mask is the call's: a call without one counts every token
+    assert sp.moe_aux_loss(module).item() != pytest.approx(aux.item(), rel=1e-3)
+    (out.loss + aux).backward()
+    want.loss.backward()
+    grads = jobs.hf_named_grads(module)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert unmasked.loss.isfinite()
+    module(ids, attention_mask=torch.zeros_like(ids), labels=ids)
+    assert sp.moe_aux_loss(module).item() == 0.0  # padding only
+    causal = torch.tril(torch.ones(jobs.SEQ, jobs.SEQ, dtype=torch.bool))[None, None].expand(2, 1, -1, -1)
+    module(ids, attention_mask=causal, labels=ids)  # a 4-D mask: no entry per token to weigh it by
+    S = jobs.SEQ
+    with pytest.raises(ValueError, match=rf"attention_mask \(2, 1, {S}, {S}\) has {2 * S * S} .*routed {2 * S} "):
+        sp.moe_aux_loss(module)
     dense, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
     assert sp.moe_aux_loss(dense).item() == 0.0
     # Asked per call, the router logits do not exist: a clear error, not an IndexError inside transformers.

@@ -202,8 +202,8 @@ class MoE(nn.Module):
     Attributes after a forward: ``aux_loss`` (0-d fp32, differentiable; zero when both coefficients
     are 0), ``last_routing`` (the :class:`~smptk.kernels.moe_route.MoERouting`) and ``last_plan``
     (the :class:`~smptk.kernels.moe_dispatch.MoEDispatchPlan`, e.g. ``num_dropped``); with
-    ``record_router_probs = True``, ``last_router_probs`` (the softmax of the router logits averaged over
-    the tokens, ``[E]`` fp32, differentiable: for a load-balancing loss pooled over layers). The buffer
+    ``record_router_probs = True``, ``last_router_probs`` (the softmax of the router logits per token,
+    ``[T, E]`` fp32, differentiable: for a load-balancing loss pooled over layers, with padding masked). The buffer
     ``tokens_per_expert`` [E] accumulates routed pairs per expert until :meth:`update_expert_bias`.
     A checkpoint recompute changes none of these (see the module docstring).
 
@@ -292,9 +292,9 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_routing = None
         self.last_plan: MoEDispatchPlan | None = None
-        # Set True to keep ``last_router_probs``: the router's softmax probabilities averaged over this
-        # forward's tokens, [E] fp32, differentiable (for a loss pooled over layers: transform's
-        # moe_aux_loss, Hugging Face's definition). One extra softmax over [T, E] per forward.
+        # Set True to keep ``last_router_probs``: the router's softmax probabilities of this forward's
+        # tokens, [T, E] fp32, differentiable (for a loss pooled over layers: transform's moe_aux_loss,
+        # Hugging Face's definition). One extra softmax over [T, E] per forward.
         self.record_router_probs = False
         self.last_router_probs: torch.Tensor | None = None
         if ep_mesh is not None:
@@ -397,7 +397,6 @@ class MoE(nn.Module):
         probs = None
         if self.record_router_probs:  # in a recompute too: it saves the same tensors as the forward
             probs = torch.softmax(logits_TE, dim=-1)
-            probs = probs.mean(0) if probs.shape[0] else probs.sum(0)
         if not _in_backward():  # a checkpoint recompute leaves the statistics of its forward alone
             aux = routing.aux_loss * self.aux_loss_coef + routing.z_loss * self.z_loss_coef
             self.aux_loss, self.last_routing, self.last_plan = aux, routing, plan

@@ -18,8 +18,8 @@ current one), in the order a model is prepared:
    the layers' pooled loss, from the router probabilities each MoE records) to add to the training loss,
    and the Hugging Face loss no longer adds its own (it reads router logits the swapped blocks do not
    record: every call gets ``output_router_logits=False``, and one asking for True raises ``ValueError``
-   saying so). The model's config is not changed, so ``save_pretrained`` writes the model's own. Unlike
-   Hugging Face's, the loss counts padding tokens too (the MoE layers see no attention mask).
+   saying so). The model's config is not changed, so ``save_pretrained`` writes the model's own. As in
+   Hugging Face's, padding tokens (the call's ``attention_mask``) do not count.
 2. **Tensor parallelism** (``tensor_parallel_degree`` > 1), smptk's styles through torch's
    ``parallelize_module``: q / k / v and the dense MLP's gate / up column-parallel, o and down
    row-parallel, the embedding vocab-parallel, and ``lm_head`` column-parallel with its logits gathered
@@ -201,9 +201,11 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
         H, F, E, int(cfg.num_experts_per_tok), score_func="softmax", renormalize=renormalize,
         device=gate_up.device, dtype=gate_up.dtype,
     )  # fmt: skip
-    # Hugging Face's load-balancing loss pools the layers (see moe_aux_loss): each layer records its mean
-    # router probabilities, and moe_aux_loss combines them with this coefficient.
+    # Hugging Face's load-balancing loss pools the layers (see moe_aux_loss): each layer records its tokens'
+    # router probabilities, the model's pre-hook the call's attention mask, and moe_aux_loss combines them
+    # with this coefficient.
     moe.hf_aux_loss_coef = float(aux)
+    moe.hf_attention_mask = None
     moe.record_router_probs = aux > 0
     with torch.no_grad():
         moe.router_weight.copy_(router)
@@ -314,19 +316,27 @@ def _gather_sequence(module: nn.Module, group: Any, tp: int, rank: int) -> None:
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
-def _no_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Every call of a transformed MoE model gets ``output_router_logits=False``: the swapped blocks record
-    no router logits, so Hugging Face's loss would index an empty tuple (an IndexError deep in
-    ``load_balancing_loss_func``). The config is left as it is (a saved config keeps the model's own
-    setting); a call asking for router logits raises, saying what to use instead."""
-    if kwargs.get("output_router_logits"):
-        raise ValueError(
-            "output_router_logits=True: transform replaced the sparse MoE blocks with smptk.parallel.MoE, "
-            "which records no router logits; their load-balancing loss is smptk.parallel.moe_aux_loss(model) "
-            "(set model.config.output_router_logits = True before transform so each MoE computes it with "
-            "router_aux_loss_coef)"
-        )
-    return args, {**kwargs, "output_router_logits": False}
+def _router_call_hook(moe_layers: list[MoE]):
+    """The pre-hook of a transformed MoE model. Every call gets ``output_router_logits=False``: the swapped
+    blocks record no router logits, so Hugging Face's loss would index an empty tuple (an IndexError deep
+    in ``load_balancing_loss_func``). The config is left as it is (a saved config keeps the model's own
+    setting); a call asking for router logits raises, saying what to use instead. The call's attention
+    mask is handed to the MoE layers, so :func:`moe_aux_loss` leaves padding out as Hugging Face's does."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("output_router_logits"):
+            raise ValueError(
+                "output_router_logits=True: transform replaced the sparse MoE blocks with smptk.parallel.MoE, "
+                "which records no router logits; their load-balancing loss is smptk.parallel.moe_aux_loss("
+                "model) (set model.config.output_router_logits = True before transform so each MoE computes "
+                "it with router_aux_loss_coef)"
+            )
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        for moe in moe_layers:
+            moe.hf_attention_mask = mask if isinstance(mask, torch.Tensor) else None
+        return args, {**kwargs, "output_router_logits": False}
+
+    return hook
 
 
 def _no_cache_in_training(model: nn.Module, base: nn.Module) -> None:
@@ -464,7 +474,8 @@ def transform(
         base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg)
         moe_layers.append(f"{prefix}layers.{i}.mlp")
     if moe_layers:  # the swapped blocks record no router logits; see moe_aux_loss
-        model.register_forward_pre_hook(_no_router_logits, with_kwargs=True)
+        swapped = [base.layers[i].mlp for i in sparse]
+        model.register_forward_pre_hook(_router_call_hook(swapped), with_kwargs=True)
 
     tensor_parallel: list[str] = []
     if tp > 1:
@@ -603,10 +614,13 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     to ``out.loss``: the layers' routings pooled, ``E * sum_e f_e * P_e`` with ``f_e`` the share of the
     (token, chosen expert) pairs over all layers' tokens that went to expert e (each token counts k
     times, once per chosen expert) and ``P_e`` the router's softmax probability of e averaged over all
-    layers' tokens. So ``out.loss + moe_aux_loss(model)`` is the stock model's ``out.loss`` (checked in
-    the tests), except for padding: the MoE layers see no attention mask, so padded tokens count here
-    and not there. Other smptk MoE layers add their own ``aux_loss`` (``aux_loss_coef`` times the
-    per-layer Switch loss, plus the z-loss)."""
+    layers' tokens. Tokens the call's ``attention_mask`` marks as padding (0) count in neither, as in
+    Hugging Face's; a batch of padding only gives 0. So ``out.loss + moe_aux_loss(model)`` is the stock
+    model's ``out.loss`` (checked in the tests, padded batches included). Other smptk MoE layers add their
+    own ``aux_loss`` (``aux_loss_coef`` times the per-layer Switch loss, plus the z-loss).
+
+    Raises ``ValueError`` when the attention mask does not have one entry per token a MoE layer routed
+    (a 4-D mask, or a mask of another batch than the last forward's)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     losses = [m.aux_loss.float() for m in layers if m.aux_loss is not None]
     pooled = [m for m in layers if getattr(m, "hf_aux_loss_coef", 0.0) and m.last_router_probs is not None]
@@ -620,16 +634,32 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
 
 
 def _pooled_balance_loss(layers: list[MoE]) -> torch.Tensor:
-    """Hugging Face's ``load_balancing_loss_func`` (no attention mask) times the coefficient, from each
-    layer's last routing (counts of chosen experts) and mean router probabilities."""
-    rows = [m.last_routing.expert_ids.shape[0] for m in layers]
-    total = sum(rows)
+    """Hugging Face's ``load_balancing_loss_func`` times the coefficient, from each layer's last routing
+    (its tokens' chosen experts and router probabilities), each token weighted by the attention mask."""
     E = layers[0].num_experts
-    if total == 0:
-        return torch.zeros((), dtype=torch.float32, device=layers[0].last_router_probs.device)
-    counts = torch.stack([m.last_routing.tokens_per_expert for m in layers]).sum(0).float()
-    probs = sum(m.last_router_probs * (t / total) for m, t in zip(layers, rows, strict=True))
-    return layers[0].hf_aux_loss_coef * E * (counts / total * probs).sum()
+    device = layers[0].last_router_probs.device
+    counts = torch.zeros(E, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(E, dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for m in layers:
+        ids, probs = m.last_routing.expert_ids, m.last_router_probs
+        T, k = ids.shape
+        mask = getattr(m, "hf_attention_mask", None)
+        if mask is None:
+            w = torch.ones(T, dtype=torch.float32, device=device)
+        elif mask.numel() != T:
+            raise ValueError(
+                f"moe_aux_loss: the call's attention_mask {tuple(mask.shape)} has {mask.numel()} entries, but "
+                f"the MoE layers routed {T} tokens: give a [batch, seq] mask of 0 (padding) and 1, one entry "
+                "per token"
+            )
+        else:
+            w = mask.reshape(-1).to(device=device, dtype=torch.float32)
+        counts = counts.scatter_add(0, ids.reshape(-1).long(), w.repeat_interleave(k))
+        prob_sum = prob_sum + (probs * w[:, None]).sum(0)
+        total = total + w.sum()
+    total = total.clamp_min(1.0)  # padding only: counts and prob_sum are 0, and so is the loss
+    return layers[0].hf_aux_loss_coef * E * (counts / total * (prob_sum / total)).sum()
 
 
 __all__ = [
