@@ -245,6 +245,35 @@ def test_offloading_one_backward_over_two_forwards() -> None:
     assert off.log.maxlen == checkpointing.LOG_ENTRIES  # a long run keeps the latest events, not all
 
 
+def test_offloading_keeps_the_value_a_unit_saw_under_a_later_in_place_write() -> None:
+    """An in-place write to a block's input after the block: plain checkpointing reports it in backward;
+    with offloading torch checks nothing (saved-tensor hooks), so the offloader makes the host copy final
+    before anything after the block runs (on a GPU the compute stream waits for the copy where the block
+    ends) and backward gives the gradients of the forward that ran (the block's input as it saw it)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def run(model, write: bool):
+        h = model.inp(x)
+        y = model.blocks[0](h)
+        if write:
+            h.mul_(3)  # after the block: the block saw h before this write
+        model.blocks[1](y).square().sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run(_model(), write=False)
+    plain = _model()
+    apply_activation_checkpointing(plain, mode="full")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(plain, write=True)
+    model = _model()
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    apply_activation_checkpointing(model, mode="full", offloader=off)
+    got = run(model, write=True)
+    assert want.keys() == got.keys() and want
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
 def test_offloading_from_the_config_and_bad_arguments() -> None:
     cfg = ParallelConfig(activation_checkpointing="selective", sm_activation_offloading=True)
     model = _model()

@@ -20,8 +20,9 @@ torch.distributed.checkpoint see the model unchanged):
   backward finds the kept outputs instead of launching the kernel again.
 
 Offloading (``sm_activation_offloading``, :class:`ActivationOffloader`): what a checkpointed unit keeps,
-its inputs, moves to pinned CPU memory during forward (a copy on a side stream, so the next unit's
-compute overlaps it) and comes back ahead of backward: when backward reaches unit i, the inputs of
+its inputs, moves to pinned CPU memory during forward (a copy on a side stream, overlapping the unit's own
+compute; the compute stream waits for it where the unit ends, so no later in-place write can race it) and
+comes back ahead of backward: when backward reaches unit i, the inputs of
 units i-1 .. i-(horizon-1) start their copies back on another side stream, so at most
 ``activation_loading_horizon`` units' inputs are on the GPU at once and the copies overlap the
 backward of the units after them. The inputs are caught as torch's checkpoint saves them (a saved-tensor
@@ -223,6 +224,15 @@ class ActivationOffloader:
             ours[:] = [a for a in ours if a is not away]
         return t
 
+    def _copies_done(self, unit: int) -> None:
+        """The compute stream waits for ``unit``'s device-to-host copies (issued as it saved its inputs, so
+        they overlapped its forward) before anything after the unit runs: an in-place write to an input
+        later on (plain torch reports it in backward; with saved-tensor hooks torch checks nothing) cannot
+        race the copy, and backward sees the value the unit saw."""
+        for away in self._away.get(unit, []):
+            if away.stored is not None:
+                torch.cuda.current_stream(away.device).wait_event(away.stored)
+
     def attach(self, unit: nn.Module, index: int) -> None:
         """Offload what ``unit`` (the ``index``-th in forward order) saves outside its own checkpoint:
         a forward pre-hook ahead of every other enters the hooks, a forward hook after them leaves."""
@@ -240,6 +250,7 @@ class ActivationOffloader:
             if entered[0]:
                 hooks.__exit__(None, None, None)
                 entered[0] = False
+                self._copies_done(index)
 
         unit.register_forward_pre_hook(enter, prepend=True)
         unit.register_forward_hook(leave, always_call=True)
