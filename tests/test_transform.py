@@ -192,7 +192,8 @@ def test_router_aux_loss_equals_hugging_faces(one_rank, monkeypatch, kind: str) 
     causal = torch.tril(torch.ones(jobs.SEQ, jobs.SEQ, dtype=torch.bool))[None, None].expand(2, 1, -1, -1)
     module(ids, attention_mask=causal, labels=ids)  # a 4-D mask: no entry per token to weigh it by
     S = jobs.SEQ
-    with pytest.raises(ValueError, match=rf"attention_mask \(2, 1, {S}, {S}\) has {2 * S * S} .*routed {2 * S} "):
+    message = rf"attention_mask \(2, 1, {S}, {S}\) has {2 * S * S} .*routed {2 * S} "
+    with pytest.raises(ValueError, match=message):
         sp.moe_aux_loss(module)
     dense, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
     assert sp.moe_aux_loss(dense).item() == 0.0

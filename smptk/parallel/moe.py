@@ -203,8 +203,9 @@ class MoE(nn.Module):
     are 0), ``last_routing`` (the :class:`~smptk.kernels.moe_route.MoERouting`) and ``last_plan``
     (the :class:`~smptk.kernels.moe_dispatch.MoEDispatchPlan`, e.g. ``num_dropped``); with
     ``record_router_probs = True``, ``last_router_probs`` (the softmax of the router logits per token,
-    ``[T, E]`` fp32, differentiable: for a load-balancing loss pooled over layers, with padding masked). The buffer
-    ``tokens_per_expert`` [E] accumulates routed pairs per expert until :meth:`update_expert_bias`.
+    ``[T, E]`` fp32, differentiable: for a load-balancing loss pooled over layers, padding left out).
+    The buffer ``tokens_per_expert`` [E] accumulates routed pairs per expert until
+    :meth:`update_expert_bias`.
     A checkpoint recompute changes none of these (see the module docstring).
 
     On the ``meta`` device (delayed initialization) forward and backward propagate shapes; with a

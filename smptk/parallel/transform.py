@@ -326,10 +326,10 @@ def _router_call_hook(moe_layers: list[MoE]):
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("output_router_logits"):
             raise ValueError(
-                "output_router_logits=True: transform replaced the sparse MoE blocks with smptk.parallel.MoE, "
-                "which records no router logits; their load-balancing loss is smptk.parallel.moe_aux_loss("
-                "model) (set model.config.output_router_logits = True before transform so each MoE computes "
-                "it with router_aux_loss_coef)"
+                "output_router_logits=True: transform replaced the sparse MoE blocks with "
+                "smptk.parallel.MoE, which records no router logits; their load-balancing loss is "
+                "smptk.parallel.moe_aux_loss(model) (set model.config.output_router_logits = True before "
+                "transform so each MoE computes it with router_aux_loss_coef)"
             )
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         for moe in moe_layers:
@@ -649,9 +649,9 @@ def _pooled_balance_loss(layers: list[MoE]) -> torch.Tensor:
             w = torch.ones(T, dtype=torch.float32, device=device)
         elif mask.numel() != T:
             raise ValueError(
-                f"moe_aux_loss: the call's attention_mask {tuple(mask.shape)} has {mask.numel()} entries, but "
-                f"the MoE layers routed {T} tokens: give a [batch, seq] mask of 0 (padding) and 1, one entry "
-                "per token"
+                f"moe_aux_loss: the call's attention_mask {tuple(mask.shape)} has {mask.numel()} entries, "
+                f"but the MoE layers routed {T} tokens: give a [batch, seq] mask of 0 (padding) and 1, one "
+                "entry per token"
             )
         else:
             w = mask.reshape(-1).to(device=device, dtype=torch.float32)
