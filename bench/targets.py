@@ -175,6 +175,14 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Missing:
+    """A case a target covers that this run cannot judge (its baseline row is missing, or a field)."""
+
+    label: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """One performance target: the rows it reads, how it turns them into a number, the threshold."""
 
@@ -188,8 +196,9 @@ class Target:
     baseline: Selector | None = None  # fields that differ in the baseline row; the other case keys are equal
     aggregate: str = "worst"  # several candidates: the "worst" or the "best" decides
     min_gpus: int = 1
-    # For targets no (measured, baseline) pair expresses: eligible rows -> candidates, or why there are none.
-    candidates: Callable[[Sequence[Row]], list[Candidate] | str] | None = None
+    # For targets no (measured, baseline) pair expresses: eligible rows -> candidates (and a Missing for
+    # each case that cannot be judged), or why there are none.
+    candidates: Callable[[Sequence[Row]], list[Candidate | Missing] | str] | None = None
     # Benchmark node ids (substrings) to run early, for suites whose tests are not parametrized by a case.
     bench_ids: tuple[str, ...] = ()
 
@@ -213,7 +222,7 @@ class Target:
 
 def _busbw_vs_nccl(
     rows: Sequence[Row], *, cta_share: float = 1 / 3, copy_engine: bool = False, collectives: tuple = ()
-) -> list[Candidate] | str:
+) -> list[Candidate | Missing] | str:
     """Per collective, at the largest size both ran: smptk's best busbw over NCCL's (default communicator).
 
     SM-kernel rows (``copy_engine`` False) count at ``1 <= max_sms <= cta_share`` x the CTAs NCCL launched
@@ -232,17 +241,18 @@ def _busbw_vs_nccl(
         nccl = [r for r in nccl if r.get("collective") in collectives]
     if not nccl or not smptk:
         return "needs comm_dist_bandwidth (smptk) and comm_dist_nccl (default communicator) rows"
-    out, why = [], []
+    out: list[Candidate] = []
+    why: list[Missing] = []
     for coll in sorted({str(r.get("collective")) for r in nccl}):
         sizes = {r.get("size_bytes") for r in smptk if r.get("collective") == coll}
         ours = [r for r in nccl if r.get("collective") == coll and r.get("size_bytes") in sizes]
         if not ours:
-            why.append(f"{coll}: no size that both ran")
+            why.append(Missing(coll, "no size that both ran"))
             continue
         ref = max(ours, key=lambda r: r.get("size_bytes") or 0)
         ctas = (ref.get("nccl_ctas_observed") or {}).get("max")
         if not copy_engine and (not isinstance(ctas, int) or ctas < 1):
-            why.append(f"{coll}: NCCL's CTA count was not observed ({ref.get('nccl_ctas_note')})")
+            why.append(Missing(coll, f"NCCL's CTA count was not observed ({ref.get('nccl_ctas_note')})"))
             continue
         cands = [
             r
@@ -254,7 +264,7 @@ def _busbw_vs_nccl(
         ]
         if not cands or not _num(ref, "busbw_gbps"):
             where = "copy-engine row" if copy_engine else f"row at <= {cta_share:.3g} x {ctas} CTAs"
-            why.append(f"{coll}: no smptk {where}")
+            why.append(Missing(coll, f"no smptk {where}"))
             continue
         best = max(cands, key=lambda r: _num(r, "busbw_gbps") or 0)
         ours_gbps = f"{_num(best, 'busbw_gbps'):.4g} GB/s"
@@ -267,7 +277,7 @@ def _busbw_vs_nccl(
                 test_ids=(str(best.get("test_id")), str(ref.get("test_id"))),
             )
         )
-    return out or "; ".join(why)
+    return [*out, *why] if out else "; ".join(f"{m.label}: {m.reason}" for m in why)
 
 
 LINEAR_SHAPE = {"M": 16384, "K": 4096, "N": 14336}
@@ -625,11 +635,14 @@ def _why_missing(target: Target, rows: Sequence[Row]) -> str:
     return "no row in this run: not reached in the time budget, filtered out, or not run"
 
 
-def _pair_candidates(target: Target, eligible: Sequence[Row]) -> list[Candidate] | str:
+def _pair_candidates(target: Target, eligible: Sequence[Row]) -> list[Candidate | Missing] | str:
     measured = [r for r in eligible if matches(r, target.measured)]
     if not measured:
         return ""
-    out = []
+    out: list[Candidate] = []
+    missing: list[Missing] = []
+    changed = ", ".join(f"{k}={v}" for k, v in (target.baseline or {}).items())
+    no_baseline = f"no baseline row ({changed}) in this run"
     for row in measured:
         base = None
         if target.baseline:
@@ -639,10 +652,12 @@ def _pair_candidates(target: Target, eligible: Sequence[Row]) -> list[Candidate]
                 if matches(b, target.baseline) and _same_case(row, b, target.baseline) and b is not row
             ]
             if not found:
+                missing.append(Missing(_case_label(row), no_baseline))
                 continue
             base = found[-1]
         value = target.metric.value(row, base)
         if value is None:
+            missing.append(Missing(_case_label(row), "the rows lack the fields this target reads"))
             continue
         out.append(
             Candidate(
@@ -653,11 +668,7 @@ def _pair_candidates(target: Target, eligible: Sequence[Row]) -> list[Candidate]
                 test_ids=tuple(str(r.get("test_id")) for r in (row, base) if r is not None),
             )
         )
-    if out:
-        return out
-    if target.baseline:
-        return f"no baseline row ({', '.join(f'{k}={v}' for k, v in target.baseline.items())}) in this run"
-    return "the rows lack the fields this target reads"
+    return [*out, *missing] if out else "; ".join(dict.fromkeys(m.reason for m in missing))
 
 
 def evaluate_one(target: Target, rows: Sequence[Row], gpu_count: int | None = None) -> Result:
@@ -672,12 +683,30 @@ def evaluate_one(target: Target, rows: Sequence[Row], gpu_count: int | None = No
     found = target.candidates(eligible) if target.candidates else _pair_candidates(target, eligible)
     if isinstance(found, str):
         return Result(target, "not measured", reason=found or _why_missing(target, rows))
+    judged = [c for c in found if isinstance(c, Candidate)]
+    missing = [m for m in found if isinstance(m, Missing)]
     pick = min if (target.aggregate == "worst") == (target.op == ">=") else max
-    best = pick(found, key=lambda c: c.value)
-    case = best.label + (f" ({target.aggregate} of {len(found)})" if len(found) > 1 else "")
+    best = pick(judged, key=lambda c: c.value)
+    met = target.met(best.value)
+    case = best.label + (f" ({target.aggregate} of {len(judged)})" if len(judged) > 1 else "")
+    if missing:
+        # The cases left out could only make a worst case worse (a best case better): the verdict of the
+        # cases judged stands when it is "not met" for a worst case ("met" for a best case); otherwise the
+        # run cannot decide.
+        left = "; ".join(f"{m.label}: {m.reason}" for m in missing)
+        left = f"{len(missing)} of {len(found)} cases not judged ({left})"
+        if met == (target.aggregate == "worst"):
+            verdict = "met" if met else "not met"
+            return Result(
+                target,
+                "not measured",
+                reason=f"{left}; the {len(judged)} judged give {best.value:.4g}{target.metric.unit} "
+                f"({verdict}) at {best.label}",
+            )
+        case = f"{case}; {left}"
     return Result(
         target,
-        "met" if target.met(best.value) else "not met",
+        "met" if met else "not met",
         value=best.value,
         case=case,
         measured=best.measured,

@@ -159,6 +159,39 @@ def test_worst_config_decides_and_routing_share() -> None:
     assert judge("moe.layer_vs_grouped_mm", rows).status == "not measured"
 
 
+def test_cases_without_a_baseline_leave_a_worst_case_undecided() -> None:
+    """A case whose baseline row is missing (failed, or past the time budget) is not silently dropped: a
+    worst-of verdict from the other cases stands only when it is "not met" (the missing case could only
+    make it worse); a "met" becomes "not measured", naming the case left out. Per collective the same."""
+    rows = [
+        moe("moe_layer", "smptk", 10e-3, "mixtral"),  # its eager_loop row is missing
+        moe("moe_layer", "smptk", 10e-3, "fine_grained"),
+        moe("moe_layer", "eager_loop", 40e-3, "fine_grained"),  # 4x: met on its own
+    ]
+    result = judge("moe.layer_vs_eager_loop", rows)
+    assert result.status == "not measured" and result.value is None
+    assert "1 of 2 cases not judged (mixtral fwd+bwd T=16384: no baseline row" in result.reason
+    assert "give 4x (met) at fine_grained" in result.reason
+    rows[2] = moe("moe_layer", "eager_loop", 11e-3, "fine_grained")  # 1.1x: not met whatever mixtral gives
+    result = judge("moe.layer_vs_eager_loop", rows)
+    assert result.status == "not met" and result.value == pytest.approx(1.1)
+    assert "1 of 2 cases not judged" in result.case
+    bw = {"suite": "comm_dist_bandwidth", "size_bytes": 1 << 30}
+    nccl = {"suite": "comm_dist_nccl", "size_bytes": 1 << 30, "nccl_config": "default"}
+    comm = [
+        row("smptk", 1.0, **bw, collective="all_gather", op="all_gather", max_sms=8, busbw_gbps=400.0),
+        row("nccl", 1.0, **nccl, collective="all_gather", busbw_gbps=360.0, nccl_ctas_observed={"max": 24}),
+        row(
+            "smptk", 1.0, **bw, collective="all_reduce", op="all_reduce_two_shot", max_sms=8, busbw_gbps=180.0
+        ),
+        row("nccl", 1.0, **nccl, collective="all_reduce", busbw_gbps=360.0, nccl_ctas_observed=None),
+    ]
+    result = judge("comm.busbw_vs_nccl", comm, gpu_count=8)
+    assert (
+        result.status == "not measured" and "all_reduce: NCCL's CTA count was not observed" in result.reason
+    )
+
+
 def test_grouped_gemm_against_dense() -> None:
     shape = {"M": 32768, "K": 4096, "N": 14336, "E": 8}
     common = {"suite": "moe", "op": "grouped_gemm", "pass": "fwd", "config": "mixtral", "tokens": 16384}
