@@ -210,6 +210,51 @@ def test_activation_terms_follow_the_documented_formula(tp, sp, precision) -> No
     assert est.activation_bytes == want
 
 
+def test_gathered_logits_count_the_whole_vocabulary_on_every_rank() -> None:
+    """transform's lm_head gathers its logits (Hugging Face's loss reads [T, V]): loss="gathered" counts
+    the fp32 softmax and the logits at V, not V/tp; at tp 1 the two are the same."""
+    kw = {"seq_len": 32, "micro_batch": 3, "world_size": 2, "sequence_parallel": True}
+    cfg = {"tensor_parallel_degree": 2, "mixed_precision": "bf16"}
+    split = estimate_memory(TINY, cfg, **kw)
+    whole = estimate_memory(TINY, cfg, **kw, loss="gathered")
+    T, V = 3 * 32, TINY.vocab_size
+    assert whole.activation_bytes - split.activation_bytes == 4 * T * (V - V // 2)
+    terms = [{x.name: x for x in e.terms}["logits and their gradient"] for e in (split, whole)]
+    assert (
+        terms[1].bytes - terms[0].bytes == T * (V - V // 2) * (2 + 4)
+        and "[T, V] (gathered)" in terms[1].detail
+    )
+    one = {"seq_len": 32, "world_size": 1}
+    assert (
+        estimate_memory(TINY, {}, **one).total_bytes
+        == estimate_memory(TINY, {}, **one, loss="gathered").total_bytes
+    )
+
+
+def test_tensor_parallelism_is_refused_where_smptk_refuses_it() -> None:
+    """A vocabulary tp does not divide (VocabParallelEmbedding pads nothing) and tied embeddings at tp > 1
+    (transform refuses them) are refused, and advise does not offer such a tp."""
+    odd = dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 1)
+    with pytest.raises(
+        ValueError, match=rf"vocab_size {odd.vocab_size} is not divisible by tensor_parallel_degree 2"
+    ):
+        estimate_memory(odd, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2)
+    tied = dataclasses.replace(TINY, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tied input and output embeddings under tensor_parallel_degree 2"):
+        estimate_memory(tied, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2)
+    estimate_memory(tied, {"hybrid_shard_degree": 0}, seq_len=32, world_size=2)  # tp 1: fine
+    llama = model_spec("llama3.1-8b")  # at 16384 tokens on one p5 node, advise offers tp > 1 too
+    assert any(
+        c.config.tensor_parallel_degree > 1 for c in advise(llama, "p5.48xlarge", seq_len=16384).candidates
+    )
+    for spec in (
+        dataclasses.replace(llama, vocab_size=128257),
+        dataclasses.replace(llama, tie_word_embeddings=True),
+    ):
+        adv = advise(spec, "p5.48xlarge", seq_len=16384)
+        assert adv.candidates and {c.config.tensor_parallel_degree for c in adv.candidates} == {1}
+
+
 def test_materialized_attention_adds_the_probabilities() -> None:
     flash = estimate_memory(TINY, {}, seq_len=64, micro_batch=2, world_size=1)
     mat = estimate_memory(TINY, {}, seq_len=64, micro_batch=2, world_size=1, attention="materialized")
@@ -258,6 +303,16 @@ def test_heaps_count_the_groups_inside_a_node() -> None:
     assert not [
         t for t in estimate_memory("llama2-7b", {}, seq_len=4096, cluster=p5).terms if t.kind == "comm"
     ]
+    # DDP (replicated, fp32): smptk's all-reduce hook holds one heap over the dp group inside a node.
+    ddp = {"hybrid_shard_degree": 1, "mixed_precision": "fp32"}
+    est = estimate_memory("llama2-7b", ddp, seq_len=1024, cluster="p5")
+    (heap,) = [t for t in est.terms if t.kind == "comm"]
+    assert (
+        est.engine == "ddp" and "(dp)" in heap.detail and heap.bytes == 64 * 2**20 + estimate_mod.DATA_OFFSET
+    )
+    assert not [
+        t for t in estimate_memory("llama2-7b", ddp, seq_len=1024, cluster=p5).terms if t.kind == "comm"
+    ]
 
 
 def test_estimate_reports_a_table_json_and_fit() -> None:
@@ -295,6 +350,7 @@ def test_estimate_reports_a_table_json_and_fit() -> None:
         ({"sequence_parallel": "no"}, TypeError, "sequence_parallel: expected True, False or None"),
         ({"heap_bytes": -1}, ValueError, "heap_bytes: expected a positive multiple of 16"),
         ({"heap_bytes": 100}, ValueError, "heap_bytes: expected a positive multiple of 16"),
+        ({"loss": "chunked"}, ValueError, "loss: expected one of vocab_parallel, gathered"),
     ],
 )
 def test_estimate_rejects_bad_input(kwargs, error, match) -> None:

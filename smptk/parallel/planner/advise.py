@@ -60,7 +60,7 @@ from typing import Any
 from smptk.parallel.config import ParallelConfig
 from smptk.parallel.planner.clusters import CLUSTERS, Cluster
 from smptk.parallel.planner.clusters import cluster as _cluster
-from smptk.parallel.planner.estimate import MemoryEstimate, estimate_memory
+from smptk.parallel.planner.estimate import LOSSES, MemoryEstimate, estimate_memory, tp_problem
 from smptk.parallel.planner.models import ModelSpec, model_spec
 
 MAX_GLOBAL_BATCH_TOKENS = 4 * 2**20
@@ -282,8 +282,7 @@ def _divisors(n: int) -> list[int]:
 def _tp_options(spec: ModelSpec, cl: Cluster) -> list[int]:
     out, t = [], 1
     while t <= cl.gpus_per_node and cl.world_size % t == 0:
-        need = [spec.num_heads, spec.intermediate_size] + ([] if spec.is_mla else [spec.num_kv_heads])
-        if all(v % t == 0 for v in need):
+        if tp_problem(spec, t) is None:
             out.append(t)
         t *= 2
     return out
@@ -301,18 +300,23 @@ def advise(
     mixed_precision: str = "bf16",
     compute_efficiency: float = 0.6,
     suggest: bool = True,
+    loss: str = "vocab_parallel",
 ) -> Advice:
     """Ranked configurations for ``model`` on ``cluster`` at ``seq_len`` (see the module docstring).
 
     ``global_batch_tokens``: the batch the run wants (accumulation fills it; it must be reachable
     within the 4M-token limit); None: one micro-batch per data-parallel rank per step. ``nodes``
     overrides the cluster's node count. When nothing fits, :attr:`Advice.suggestions` says what would.
+    ``loss``: as :func:`~smptk.parallel.planner.estimate_memory`'s (``"gathered"`` for a model
+    prepared with :func:`~smptk.parallel.transform`, whose logits are whole on every tp rank).
     """
     spec = model_spec(model)
     cl = _cluster(cluster, nodes)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
     spec.check_seq_len(seq_len)
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
     if global_batch_tokens is not None and (
         not isinstance(global_batch_tokens, int) or global_batch_tokens < seq_len
     ):
@@ -340,7 +344,7 @@ def advise(
                 )  # fmt: skip
                 try:
                     est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
-                                          optimizer=optimizer, attention=attention)  # fmt: skip
+                                          optimizer=optimizer, attention=attention, loss=loss)  # fmt: skip
                 except ValueError:  # a degree the model's sizes do not divide: not a candidate
                     continue
                 per_step = dp * mb * seq_len
@@ -406,7 +410,7 @@ def advise(
         why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain)
         ranked.append(dataclasses.replace(c, reason=why))
     suggestions = (
-        _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected)
+        _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss)
         if (suggest and not ranked)
         else ()
     )
@@ -451,7 +455,7 @@ def _why(c: Candidate, first: bool, seq_len: int, needed: bool = True) -> str:
     return "; ".join(parts)
 
 
-def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision) -> int | None:
+def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss) -> int | None:
     """The smallest estimate over the search (every configuration, micro-batch 1)."""
     best = None
     for t in _tp_options(spec, cl):
@@ -465,17 +469,17 @@ def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision) -> int 
             )  # fmt: skip
             try:
                 est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=1, cluster=cl,
-                                      optimizer=optimizer, attention=attention)  # fmt: skip
+                                      optimizer=optimizer, attention=attention, loss=loss)  # fmt: skip
             except ValueError:
                 continue
             best = est.total_bytes if best is None else min(best, est.total_bytes)
     return best
 
 
-def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected) -> list[str]:
+def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss) -> list[str]:
     out = []
     memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
-    least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision)
+    least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss)
     if least is not None:
         out.append(
             f"the smallest configuration (full sharding, the largest tp, full checkpointing + offloading, "
@@ -488,7 +492,7 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
         )
     for n in (2, 4, 8, 16, 32, 64):
         bigger = cl.with_nodes(cl.nodes * n)
-        m = _min_total(spec, bigger, seq_len, optimizer, attention, mixed_precision)
+        m = _min_total(spec, bigger, seq_len, optimizer, attention, mixed_precision, loss)
         if m is not None and m <= memory:
             out.append(
                 f"{bigger.nodes} nodes ({bigger.world_size} GPUs) would fit: {m / 2**30:.1f} GiB per GPU"
@@ -498,7 +502,7 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
         if other.gpu.memory_bytes <= cl.gpu.memory_bytes:
             continue
         o = other.with_nodes(max(1, cl.world_size // other.gpus_per_node))
-        m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision)
+        m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision, loss)
         if m is not None and m <= other.gpu.memory_bytes - CUDA_CONTEXT_BYTES:
             out.append(
                 f"a larger GPU: {o.nodes} x {name} = {o.world_size} GPUs ({other.gpu.name}) would fit: "

@@ -109,6 +109,7 @@ from smptk.parallel.planner.models import ModelSpec, model_spec
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
 ATTENTION = ("flash", "materialized")
+LOSSES = ("vocab_parallel", "gathered")  # how the logits meet the loss at tp > 1 (see estimate_memory)
 ALLOCATOR_MARGIN = 0.05
 DEFAULT_HEAP_BYTES = 64 * 2**20
 _COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -254,6 +255,7 @@ def estimate_memory(
     attention: str = "flash",
     sequence_parallel: bool | None = None,
     heap_bytes: int = DEFAULT_HEAP_BYTES,
+    loss: str = "vocab_parallel",
 ) -> MemoryEstimate:
     """Per-GPU memory of one training step of ``model`` under ``config``.
 
@@ -271,6 +273,10 @@ def estimate_memory(
             (``transform``'s own default is False).
         heap_bytes: smptk's symmetric heap per group (``SMPTK_COMM_HEAP_BYTES``): a positive multiple
             of 16.
+        loss: how the logits meet the loss at tp > 1 (one of :data:`LOSSES`): ``"vocab_parallel"``
+            (default), smptk's vocab-parallel cross-entropy on ``[T, V/tp]`` logits (the reference
+            Transformer, ``examples/parallel_llama.py``); ``"gathered"``, the full ``[T, V]`` logits on
+            every rank, as :func:`~smptk.parallel.transform` gives Hugging Face's ``labels=`` loss.
     """
     spec = model_spec(model)
     cfg = parallel_config(config)
@@ -297,6 +303,8 @@ def estimate_memory(
             f"sequence_parallel: {spec.name} has MoE layers, which smptk runs without sequence parallelism "
             "(transform refuses it); pass sequence_parallel=False or None"
         )
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
     if isinstance(heap_bytes, bool) or not isinstance(heap_bytes, int) or heap_bytes <= 0 or heap_bytes % 16:
         raise ValueError(f"heap_bytes: expected a positive multiple of 16, got {heap_bytes!r}")
     t = sizes["tp"]
@@ -306,10 +314,10 @@ def estimate_memory(
     engine = _engine(cfg, sizes)
     terms: list[MemoryTerm] = []
     terms += _model_state_terms(spec, cfg, sizes, engine, optimizer)
-    acts, host, per_block = _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp)
+    acts, host, per_block = _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp, loss)
     terms += acts
-    terms += _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block)
-    terms += _heap_terms(sizes, cl, heap_bytes)
+    terms += _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block, loss)
+    terms += _heap_terms(sizes, cl, heap_bytes, engine)
     allocated = sum(x.bytes for x in terms)
     terms.append(
         MemoryTerm(
@@ -323,17 +331,33 @@ def estimate_memory(
     )  # fmt: skip
 
 
-def _check_model_fits_degrees(spec: ModelSpec, sizes: dict, seq_len: int, sp: bool) -> None:
-    t, ep = sizes["tp"], sizes["ep"]
+def tp_problem(spec: ModelSpec, t: int) -> str | None:
+    """Why smptk's tensor-parallel layers cannot split ``spec`` ``t`` ways (None: they can)."""
+    if t == 1:
+        return None
     checks = [("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
     if not spec.is_mla:
         checks.append(("num_kv_heads", spec.num_kv_heads))
+    checks.append(("vocab_size", spec.vocab_size))  # VocabParallelEmbedding and the head: no padding
     for key, value in checks:
         if value % t:
-            raise ValueError(
+            return (
                 f"{spec.name}: {key} {value} is not divisible by tensor_parallel_degree {t} (smptk's "
                 "tensor-parallel layers split it evenly)"
             )
+    if spec.tie_word_embeddings:
+        return (
+            f"{spec.name}: tied input and output embeddings under tensor_parallel_degree {t} (transform and "
+            "smptk's tensor-parallel layers refuse them)"
+        )
+    return None
+
+
+def _check_model_fits_degrees(spec: ModelSpec, sizes: dict, seq_len: int, sp: bool) -> None:
+    t, ep = sizes["tp"], sizes["ep"]
+    problem = tp_problem(spec, t)
+    if problem:
+        raise ValueError(problem)
     if ep > 1 and (not spec.is_moe or spec.num_experts % ep):
         what = f"num_experts {spec.num_experts}" if spec.is_moe else "a dense model (no experts)"
         raise ValueError(f"{spec.name}: expert_parallel_degree {ep} needs experts divisible by it; {what}")
@@ -478,7 +502,14 @@ def _block_bytes(spec: ModelSpec, layer_moe: bool, sizes, seq_len, micro_batch, 
     return {"none": none, "full": Tr * h * B + routing, "selective": sel}
 
 
-def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
+def _logits_width(spec: ModelSpec, t: int, loss: str) -> tuple[int, str]:
+    """Columns of the logits the loss reads on one rank, and how the plan names them."""
+    if t > 1 and loss == "gathered":
+        return spec.vocab_size, "[T, V] (gathered)"
+    return -(-spec.vocab_size // t), "[T, V/tp]"
+
+
+def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp, loss):
     B = _COMPUTE_BYTES[cfg.mixed_precision]
     t = sizes["tp"]
     T = micro_batch * seq_len
@@ -527,14 +558,14 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
                     f"{detail}: {kept_moe / 2**20:.1f} MiB per block",
                 )
             )  # fmt: skip
-    V_t = -(-spec.vocab_size // t)
+    V_t, shape = _logits_width(spec, t, loss)
     h = spec.hidden_size
     ids = 16 * T + (3 * T if t > 1 else 0)  # int64 ids and targets (+ the vocab-parallel bool masks)
     outside = ids + Tr * h * B + 4 * Tr + Tr * h * B + 4 * T * V_t  # head input: the block under SP
     terms.append(
         MemoryTerm(
             "activations: embedding, final norm, head, loss", outside, "activations",
-            "token ids and targets, norm input, head input, fp32 softmax [T, V/tp] = "
+            f"token ids and targets, norm input, head input, fp32 softmax {shape} = "
             f"{4 * T * V_t / 2**20:.1f} MiB",
         )
     )  # fmt: skip
@@ -542,7 +573,7 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp):
     return terms, host, per_block
 
 
-def _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block) -> list[MemoryTerm]:
+def _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block, loss) -> list[MemoryTerm]:
     B = _COMPUTE_BYTES[cfg.mixed_precision]
     terms = []
     if engine != "ddp":
@@ -564,9 +595,9 @@ def _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block) 
                 )
             )  # fmt: skip
     T = micro_batch * seq_len
-    V_t = -(-spec.vocab_size // sizes["tp"])
+    V_t, shape = _logits_width(spec, sizes["tp"], loss)
     terms.append(
-        MemoryTerm("logits and their gradient", T * V_t * (B + 4), "transient", "[T, V/tp], dtype + fp32")
+        MemoryTerm("logits and their gradient", T * V_t * (B + 4), "transient", f"{shape}, dtype + fp32")
     )
     if cfg.activation_checkpointing != "none":
         terms.append(
@@ -614,14 +645,16 @@ def _layer_local_numel(spec: ModelSpec, i: int, sizes: dict) -> int:
     return total
 
 
-def _heap_terms(sizes: dict, cl: Cluster | None, heap_bytes: int) -> list[MemoryTerm]:
+def _heap_terms(sizes: dict, cl: Cluster | None, heap_bytes: int, engine: str) -> list[MemoryTerm]:
     per_node = cl.gpus_per_node if cl else None
     groups = []
-    # tp innermost: a tp group spans tp ranks; dp_shard spans dp_shard * tp; ep spans ep * tp.
+    # tp innermost: a tp group spans tp ranks; dp_shard spans dp_shard * tp; ep spans ep * tp. DDP (tp 1)
+    # all-reduces its gradient buckets over the whole dp group through smptk's hook.
     for dim, span in (
         ("tp", sizes["tp"]),
         ("dp_shard", sizes["dp_shard"] * sizes["tp"]),
         ("ep", sizes["ep"] * sizes["tp"]),
+        *([("dp", sizes["dp"])] if engine == "ddp" else []),
     ):
         if sizes[dim] > 1 and (per_node is None or span <= per_node):
             groups.append(dim)

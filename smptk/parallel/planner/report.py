@@ -22,7 +22,13 @@ from typing import Any
 
 from smptk.parallel.planner.advise import Advice, advise, step_time
 from smptk.parallel.planner.clusters import CLUSTERS, cluster
-from smptk.parallel.planner.estimate import ATTENTION, OPTIMIZER_STATE_BYTES, MemoryEstimate, estimate_memory
+from smptk.parallel.planner.estimate import (
+    ATTENTION,
+    LOSSES,
+    OPTIMIZER_STATE_BYTES,
+    MemoryEstimate,
+    estimate_memory,
+)
 from smptk.parallel.planner.models import PRESETS, model_spec
 
 
@@ -43,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=1, help="with --config: micro-batches per step")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
     p.add_argument("--attention", default="flash", choices=ATTENTION)
+    p.add_argument(
+        "--loss", default="vocab_parallel", choices=LOSSES,
+        help="at tp > 1: smptk's vocab-parallel loss on [T, V/tp] logits (default), or gathered [T, V] "
+        "logits on every rank, as a model prepared with transform gives Hugging Face's loss",
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=5, help="recommendations to print (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -114,7 +125,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             cfg = _load_config(args.config)
             est = estimate_memory(
                 spec, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cluster=cl,
-                optimizer=args.optimizer, attention=args.attention,
+                optimizer=args.optimizer, attention=args.attention, loss=args.loss,
             )  # fmt: skip
             tm = step_time(spec, est.config, cl, seq_len=args.seq_len, micro_batch=args.micro_batch,
                            grad_accum=args.grad_accum)  # fmt: skip
@@ -132,7 +143,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             return 0
         adv = advise(
             spec, cl, seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens,
-            optimizer=args.optimizer, attention=args.attention,
+            optimizer=args.optimizer, attention=args.attention, loss=args.loss,
         )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
         print(f"smptk plan: error: {e}", file=sys.stderr)
