@@ -274,3 +274,23 @@ def test_multi_rank(world: int, case: str) -> None:
     result.raise_for_failure()
     problems = [f"rank {r}: {v[case]}" for r, v in enumerate(result.values) if v[case] is not None]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_a_stock_model_turns_its_cache_off_in_training(monkeypatch, mode: str) -> None:
+    """apply_activation_checkpointing on a stock Hugging Face model (use_cache on by default): the units'
+    recompute would feed the key-value cache twice (selective failed in backward with torch's "not found
+    in storage"); the modules around the units pass use_cache=False while training, so the gradients
+    equal the plain model's, and an eval forward keeps its cache."""
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    plain = jobs.build("llama")
+    model = copy.deepcopy(plain)
+    assert model.config.use_cache
+    assert len(sp.apply_activation_checkpointing(model, mode=mode)) == len(model.model.layers)
+    ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids).loss.backward()
+    plain(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    model.eval()
+    assert model(ids).past_key_values is not None

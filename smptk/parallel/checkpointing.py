@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -321,7 +322,34 @@ def apply_activation_checkpointing(
         checkpoint(unit, **kwargs)
         if offloader is not None:
             offloader.attach(unit, index)
+    _no_cache_in_training(model, [n for n, _ in outer])
     return [n for n, _ in outer]
+
+
+def _no_cache_in_training(model: nn.Module, units: list[str]) -> None:
+    """Checkpointed units run their forward twice, and a key-value cache (a Hugging Face model's
+    ``use_cache``, on by default) would see the keys twice: the recompute's attention then reads 2 x seq
+    keys (SDPA's causal path slices them back, so values agree, but selective checkpointing's op-by-op
+    replay fails with torch's "aten.slice.Tensor invocation ... not found in storage", and a masked path
+    would be wrong). Hugging Face turns ``use_cache`` off under its own gradient checkpointing; here every
+    module around the units whose forward takes ``use_cache`` gets a pre-hook passing ``use_cache=False``
+    while it trains (generation in eval mode keeps its cache; the model's config is left as it is)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module.training:
+            kwargs = {**kwargs, "use_cache": False}
+        return args, kwargs
+
+    for name, module in model.named_modules():
+        inside = any(name == u or name.startswith(u + ".") for u in units)
+        if inside or not any(u.startswith(name + ".") or not name for u in units):
+            continue
+        try:
+            takes = "use_cache" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):  # a forward without a signature (a C++ module)
+            takes = False
+        if takes:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 __all__ = [

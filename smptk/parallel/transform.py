@@ -339,22 +339,6 @@ def _router_call_hook(moe_layers: list[MoE]):
     return hook
 
 
-def _no_cache_in_training(model: nn.Module, base: nn.Module) -> None:
-    """Checkpointed layers run their forward twice, and a key-value cache would see the keys twice: the
-    recompute's attention then reads 2 x seq keys (SDPA's causal path slices them back, so values agree,
-    but selective checkpointing's op-by-op replay fails, and a masked path would be wrong). Hugging Face
-    turns ``use_cache`` off under its own gradient checkpointing; here a pre-hook on the base model passes
-    ``use_cache=False`` to every call while it trains (generation in eval mode keeps its cache). The config
-    is left as it is, so a saved config is the model's own."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if module.training:
-            kwargs = {**kwargs, "use_cache": False}
-        return args, kwargs
-
-    base.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 def _split_sequence_hook(group: Any, tp: int, rank: int):
     """A forward pre-hook for the first decoder layer under sequence parallelism: it hands the layer this
     rank's ``1 / tp`` of the sequence (dim 1) of the replicated embedding output. Backward sums the
@@ -486,9 +470,7 @@ def transform(
     expert_parallel = apply_expert_parallel(model, state) if moe_layers and state.sizes["ep"] > 1 else []
 
     layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
-    checkpointed = apply_activation_checkpointing(model, state, modules=layers)
-    if checkpointed:
-        _no_cache_in_training(model, base)
+    checkpointed = apply_activation_checkpointing(model, state, modules=layers)  # and use_cache=False
     if sp:  # after the checkpoint's own hooks: a recompute runs the layer's hooks again, on its input
         group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
         base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)
