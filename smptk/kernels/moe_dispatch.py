@@ -481,7 +481,7 @@ def _check_int_count(name: str, value: object, low: int) -> None:
 
 
 def _triton_path(*tensors: torch.Tensor) -> bool:
-    # No tl.dot in these kernels, so bf16 is exact under the interpreter.
+    # No tl.dot in these kernels: bf16 runs under the interpreter too (see runtime.select_path).
     return runtime.select_path(*tensors, dot=False) == "triton"
 
 

@@ -296,7 +296,8 @@ def moe_route(
         of the two losses in the module docstring.
 
     Runs the Triton kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``, bf16 included: no tl.dot
-    here), the PyTorch path otherwise; ``SMPTK_KERNELS=triton|torch`` forces one.
+    here, though the interpreter truncates fp32 -> bf16 where a GPU rounds), the PyTorch path otherwise;
+    ``SMPTK_KERNELS=triton|torch`` forces one.
 
     Example::
 
@@ -329,7 +330,7 @@ def moe_route(
             )
         if expert_bias.device != logits.device:
             raise ValueError(f"expert_bias: on {expert_bias.device} but logits is on {logits.device}")
-    # No tl.dot here, so bf16 is exact under the interpreter.
+    # No tl.dot here: bf16 runs under the interpreter too (see runtime.select_path).
     if runtime.select_path(logits, dot=False) == "torch":
         return _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias)
     bias = expert_bias.detach().contiguous() if expert_bias is not None else None

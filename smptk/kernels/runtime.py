@@ -115,7 +115,9 @@ def select_path(*tensors: torch.Tensor, dot: bool = True) -> str:
     Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on (DTensors
     included), and for CPU tensors when ``TRITON_INTERPRET`` was switched on after triton was imported. Meta
     tensors get "torch" whatever ``SMPTK_KERNELS`` says (see the module docstring). ``dot=False``: the
-    kernels use no ``tl.dot``, so bf16 is exact under the interpreter and is not sent to the PyTorch path.
+    kernels use no ``tl.dot`` (whose bf16 is wrong under the interpreter), so bf16 is not sent to the PyTorch
+    path; the interpreter still truncates fp32 -> bf16 conversions where a GPU rounds to nearest (one bf16
+    ulp at most, where CUDA's error is half of it).
     """
     requested = requested_path()
     device = tensors[0].device

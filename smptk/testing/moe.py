@@ -92,7 +92,7 @@ def moe_route_reference(
         score = score / score.sum(dim=1, keepdim=True)
         prob = score
     elif score_func == "sigmoid":
-        score = 1.0 / (1.0 + torch.exp(-s))
+        score = torch.sigmoid(s)  # 1 / (1 + exp(-s)) overflowed below s = -88.7: NaN gradients
         prob = score / score.sum(dim=1, keepdim=True)
     else:
         raise ValueError(f"score_func: unknown {score_func!r}")
