@@ -13,7 +13,8 @@ SwiGLU MLP, a final RMSNorm and a vocab-parallel LM head whose sharded logits go
   (``hybrid_shard_degree`` 0: shard over all data-parallel ranks; k: shard within groups of k, replicate
   across them; 1: replicate);
 - AdamW trains it on a synthetic next-token task (``x[t+1] = (5 x[t] + 3) mod vocab``, random starts:
-  learnable, so the loss falls); each data-parallel rank takes its rows of the global batch.
+  learnable, so the loss falls); each data-parallel rank takes an equal share of the global batch (the
+  data-parallel size must divide its rows).
 
 Checkpoints: after ``--save-at`` steps the run saves model and optimizer with
 ``smptk.parallel.dcp.save_checkpoint`` (torch.distributed.checkpoint, one shard file per rank) and trains on.
@@ -201,10 +202,15 @@ def tp_plan(layers: int) -> dict:
     return plan
 
 
-def check_model_config(cfg: dict, tp: int) -> None:
+def check_model_config(cfg: dict, tp: int, dp: int) -> None:
     for key in ("heads", "kv_heads", "ffn", "vocab"):
         if cfg[key] % tp:
             raise ValueError(f"MODEL[{key!r}] {cfg[key]} is not divisible by tensor_parallel_degree {tp}")
+    if BATCH % dp:  # uneven rows: equal-weight gradient averaging would train another model
+        raise ValueError(
+            f"the {dp} data-parallel ranks do not divide the global batch of {BATCH} rows (each takes an "
+            "equal share): use a data-parallel size that divides it"
+        )
     if cfg["heads"] % cfg["kv_heads"] or cfg["hidden"] % cfg["heads"]:
         raise ValueError("MODEL: heads must divide hidden, and kv_heads must divide heads")
 
@@ -283,12 +289,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--hybrid-shard", type=int, default=0, help="hybrid_shard_degree: 0 full shard, 1 replicate, k HSDP"
     )
     p.add_argument("--config", help="a ParallelConfig JSON file (replaces --tp / --hybrid-shard)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
+    p.add_argument(
+        "--steps", type=int, default=8, help="optimizer steps (default 8; at least 2 without --resume)"
+    )
     p.add_argument("--save-at", type=int, help="save a checkpoint after this many steps (default steps / 2)")
     p.add_argument("--ckpt-dir", help="checkpoint directory (default: a new temporary directory)")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --ckpt-dir")
-    p.add_argument("--lr", type=float, default=3e-3)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--lr", type=float, default=3e-3,
+        help="AdamW's learning rate (default 3e-3); a --resume run keeps the checkpoint's",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: expected at least 1")
+    if not args.resume and args.save_at is None and args.steps < 2:
+        p.error(f"--steps {args.steps}: saving and resuming mid-run needs at least 2 (or pass --resume)")
+    if args.ckpt_dir and os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
+        p.error(f"--ckpt-dir {args.ckpt_dir}: exists and is not a directory")
+    return args
 
 
 def main(argv=None) -> int:
@@ -315,7 +333,7 @@ def main(argv=None) -> int:
                 "mixed_precision": "bf16" if device.type == "cuda" else "fp32",
             }
         state = sp.init(config)
-        check_model_config(MODEL, state.sizes["tp"])
+        check_model_config(MODEL, state.sizes["tp"], state.sizes["dp"])
         code = run(args, state, device)
         dist.barrier()  # before the exit (README: "Ending a job"); not after an error
         return code

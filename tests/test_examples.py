@@ -159,6 +159,36 @@ def test_parallel_llama_config_keys_apply_and_keep_the_losses(llama_tp2_dp2, tmp
 # --- examples/transform_hf.py under torchrun ----------------------------------------------------------
 
 
+def test_parallel_llama_refuses_what_it_cannot_train_faithfully(tmp_path, capsys):
+    """A data-parallel size that does not divide the global batch (3 ranks took 2, 3 and 3 rows and the
+    equal-weight gradient average trained another model), and bad flags, fail before training."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("parallel_llama", ROOT / "examples" / "parallel_llama.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.check_model_config(example.MODEL, 2, 4)
+    with pytest.raises(
+        ValueError, match=rf"the 3 data-parallel ranks do not divide the global batch of {example.BATCH}"
+    ):
+        example.check_model_config(example.MODEL, 1, 3)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv, message in (
+        (["--steps", "-3", "--resume", "--ckpt-dir", str(tmp_path)], "--steps -3: expected at least 1"),
+        (["--steps", "1"], "--steps 1: saving and resuming mid-run needs at least 2"),
+        (["--ckpt-dir", str(afile)], "exists and is not a directory"),
+    ):
+        with pytest.raises(SystemExit):
+            example.parse_args(argv)
+        assert message in capsys.readouterr().err
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "parallel_llama.py"), "--steps", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "needs at least 2" in result.stderr
+
+
 def test_transform_hf_trains_mixtral_with_expert_parallelism(tmp_path):
     """2 processes, EP 2 x FSDP 2: a stock Mixtral's MoE blocks become smptk's, the loss falls, and the
     trained model saved in the Hugging Face format loads with ``from_pretrained``."""

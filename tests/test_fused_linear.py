@@ -112,6 +112,8 @@ def test_leading_dims(monkeypatch, device, path, dtype, x_shape):
     got = check_fused_linear(x, w, b, "silu")
     assert got["out"].shape == (*x_shape[:-1], 40)
     assert got["dx"].shape == x_shape
+    # not a view (as F.linear's is not): FSDP2 warns when a root module returns one (the logits)
+    assert not got["out"]._is_view()
 
 
 @pytest.mark.parametrize("layout", ["transposed", "column-slice", "every-other", "permuted-3d"])

@@ -74,6 +74,7 @@ def test_leading_dims(monkeypatch, device, path, dtype, x_shape):
     got = check_swiglu(*swiglu_inputs(x_shape, 40, dtype=dtype, device=device))
     assert got["out"].shape == (*x_shape[:-1], 40)
     assert got["dx"].shape == x_shape
+    assert not got["out"]._is_view()  # FSDP2 warns when a root module returns a view
 
 
 @pytest.mark.parametrize("layout", ["transposed", "column-slice", "every-other", "permuted-3d"])

@@ -64,21 +64,30 @@ _gemm = kernel_module("smptk.kernels._gemm")
 _epilogue = kernel_module("smptk.kernels._epilogue")
 
 
-def _fused_linear_fwd_fake(x_MK, w_NK, bias_N, activation, save_z):
+def _fused_linear_fwd_fake(x_MK, w_NK, bias_N, activation, save_z, lead):
     M, N = x_MK.shape[0], w_NK.shape[0]
-    return x_MK.new_empty((M, N)), x_MK.new_empty((M, N) if save_z else (0,))
+    return x_MK.new_empty((*lead, N)), x_MK.new_empty((M, N) if save_z else (0,))
 
 
 @dispatcher_op("fused_linear_fwd", fake=_fused_linear_fwd_fake)
 def fused_linear_fwd(
-    x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None, activation: int, save_z: bool
+    x_MK: torch.Tensor,
+    w_NK: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    activation: int,
+    save_z: bool,
+    lead: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward on 2-D ``x``: returns ``(y [M, N], z [M, N])``, z empty unless ``save_z``. The op
-    ``smptk::fused_linear_fwd`` (see :mod:`smptk.kernels._dispatch`)."""
+    """Triton forward on 2-D ``x``: returns ``(y [*lead, N], z [M, N])`` (``lead``: x's leading dims, M
+    rows in all), z empty unless ``save_z``. y is made in its final shape, so the caller returns no view
+    (FSDP2 warns of a root module's view outputs). The op ``smptk::fused_linear_fwd`` (see
+    :mod:`smptk.kernels._dispatch`)."""
     M, N = x_MK.shape[0], w_NK.shape[0]
-    y = new_buffer((M, N), x_MK.dtype, x_MK.device)
+    y = new_buffer((*lead, N), x_MK.dtype, x_MK.device)
     z = new_buffer((M, N) if save_z else (0,), x_MK.dtype, x_MK.device)
-    _gemm.matmul(x_MK, w_NK.t(), y, bias_N=bias_N, activation=activation, z_out_MN=z if save_z else None)
+    _gemm.matmul(
+        x_MK, w_NK.t(), y.view(M, N), bias_N=bias_N, activation=activation, z_out_MN=z if save_z else None
+    )
     return y, z
 
 
@@ -113,10 +122,10 @@ class FusedLinearFunction(torch.autograd.Function):
     """Autograd wrapper over the Triton forward and backward (inputs already checked and 2-D)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_NK, bias_N, activation: int, grad_enabled: bool):
+    def forward(ctx, x_MK, w_NK, bias_N, activation: int, grad_enabled: bool, lead: list[int]):
         ctx.needs = needs = grads_wanted(ctx, grad_enabled, 3)
         save_z = activation != _epilogue.ACT_NONE and any(needs)
-        y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z)
+        y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z, lead)
         # x only for dw, w only for dx (frozen weights: x is not kept, as with F.linear)
         ctx.save_for_backward(saved_if(x_MK, needs[1]), saved_if(w_NK, needs[0]), none_if_empty(z, save_z))
         ctx.activation = activation
@@ -124,10 +133,11 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @first_derivative_only("fused_linear", torch_path=True)
-    def backward(ctx, dy_MN):
+    def backward(ctx, dy):
         x_MK, w_NK, z = ctx.saved_tensors
+        dy_MN = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
         dx, dw, db = fused_linear_bwd(dy_MN, x_MK, w_NK, z, ctx.activation, ctx.needs)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 _TORCH_ACTIVATIONS = {
@@ -189,5 +199,4 @@ def fused_linear(
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the epilogue reads bias as a contiguous [N] vector
     act = _epilogue.ACTIVATION_CODES[activation]
-    y = FusedLinearFunction.apply(x_MK, weight, bias, act, torch.is_grad_enabled())
-    return y.view(*lead, weight.shape[0])
+    return FusedLinearFunction.apply(x_MK, weight, bias, act, torch.is_grad_enabled(), list(lead))

@@ -50,21 +50,22 @@ _gemm = kernel_module("smptk.kernels._gemm")
 _epilogue = kernel_module("smptk.kernels._epilogue")
 
 
-def _swiglu_fwd_fake(x_MK, wg_NK, wu_NK, save_h):
+def _swiglu_fwd_fake(x_MK, wg_NK, wu_NK, save_h, lead):
     M, N = x_MK.shape[0], wg_NK.shape[0]
-    return x_MK.new_empty((M, N)), x_MK.new_empty((M, 2 * N) if save_h else (0,))
+    return x_MK.new_empty((*lead, N)), x_MK.new_empty((M, 2 * N) if save_h else (0,))
 
 
 @dispatcher_op("swiglu_fwd", fake=_swiglu_fwd_fake)
 def swiglu_fwd(
-    x_MK: torch.Tensor, wg_NK: torch.Tensor, wu_NK: torch.Tensor, save_h: bool
+    x_MK: torch.Tensor, wg_NK: torch.Tensor, wu_NK: torch.Tensor, save_h: bool, lead: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward on 2-D ``x``: ``(y [M, N], h = [g | u] [M, 2N])``, h empty unless ``save_h``. The op
+    """Triton forward on 2-D ``x``: ``(y [*lead, N], h = [g | u] [M, 2N])`` (``lead``: x's leading dims;
+    y made in its final shape, so the caller returns no view), h empty unless ``save_h``. The op
     ``smptk::swiglu_fwd`` (see :mod:`smptk.kernels._dispatch`)."""
     M, N = x_MK.shape[0], wg_NK.shape[0]
-    y = new_buffer((M, N), x_MK.dtype, x_MK.device)
+    y = new_buffer((*lead, N), x_MK.dtype, x_MK.device)
     h = new_buffer((M, 2 * N) if save_h else (0,), x_MK.dtype, x_MK.device)
-    _gemm.swiglu_matmul(x_MK, wg_NK.t(), wu_NK.t(), y, h if save_h else None)
+    _gemm.swiglu_matmul(x_MK, wg_NK.t(), wu_NK.t(), y.view(M, N), h if save_h else None)
     return y, h
 
 
@@ -104,10 +105,10 @@ class SwiGLUFunction(torch.autograd.Function):
     """Autograd wrapper over the Triton forward and backward (inputs already checked and 2-D)."""
 
     @staticmethod
-    def forward(ctx, x_MK, wg_NK, wu_NK, grad_enabled: bool):
+    def forward(ctx, x_MK, wg_NK, wu_NK, grad_enabled: bool, lead: list[int]):
         ctx.needs = needs = grads_wanted(ctx, grad_enabled, 3)
         save_h = any(needs)
-        y, h = swiglu_fwd(x_MK, wg_NK, wu_NK, save_h)
+        y, h = swiglu_fwd(x_MK, wg_NK, wu_NK, save_h, lead)
         need_x, need_w = needs[1] or needs[2], needs[0]  # x only for the weights' gradients, w only for dx
         ctx.save_for_backward(
             saved_if(x_MK, need_x), saved_if(wg_NK, need_w), saved_if(wu_NK, need_w), none_if_empty(h, save_h)
@@ -116,9 +117,10 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     @first_derivative_only("swiglu", torch_path=True)
-    def backward(ctx, dy_MN):
+    def backward(ctx, dy):
         x_MK, wg_NK, wu_NK, h = ctx.saved_tensors
-        return (*swiglu_bwd(dy_MN, x_MK, wg_NK, wu_NK, h, ctx.needs), None)
+        dy_MN = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
+        return (*swiglu_bwd(dy_MN, x_MK, wg_NK, wu_NK, h, ctx.needs), None, None)
 
 
 def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) -> torch.Tensor:
@@ -153,5 +155,4 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
         return F.silu(F.linear(x, weight_gate)) * F.linear(x, weight_up)
     lead = x.shape[:-1]
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    y = SwiGLUFunction.apply(x_MK, weight_gate, weight_up, torch.is_grad_enabled())
-    return y.view(*lead, weight_gate.shape[0])
+    return SwiGLUFunction.apply(x_MK, weight_gate, weight_up, torch.is_grad_enabled(), list(lead))
