@@ -216,6 +216,36 @@ def test_torch_compile_runs_the_kernels_eagerly(name: str, monkeypatch: pytest.M
         assert torch.equal(got, want)
 
 
+def test_torch_compile_runs_the_moe_kernels_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_route, moe_dispatch and moe_combine (not dispatcher ops) are left out of the graph too: Dynamo
+    traced into their Triton launches and failed (under the interpreter: KeyError(torch.uint64)); and a
+    capacity under dynamic shapes (a second batch size) no longer multiplies a Fraction by a SymInt."""
+    from smptk.kernels import moe_combine, moe_dispatch, moe_route
+
+    gen = torch.Generator().manual_seed(0)
+
+    def layer(logits, x):
+        routing = moe_route(logits, 2)
+        grouped, plan = moe_dispatch(x, routing.expert_ids, 4, capacity_factor=1.0)
+        return moe_combine(grouped * 2, plan, routing.weights)
+
+    for path in ("triton", "torch"):
+        if path == "triton":
+            skip_unless_triton_on_cpu(monkeypatch)
+        else:
+            monkeypatch.setenv("SMPTK_KERNELS", "torch")
+        compiled = torch.compile(layer, backend="eager")
+        for T in (8, 6):  # the second size makes T dynamic
+            logits, x = torch.randn(T, 4, generator=gen), torch.randn(T, 16, generator=gen)
+            results = []
+            for run in (layer, compiled):
+                leaves = [t.clone().requires_grad_() for t in (logits, x)]
+                out = run(*leaves)
+                results.append((out.detach(), *torch.autograd.grad(out.square().sum(), leaves)))
+            for got, want in zip(*results, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{path} T={T}")
+
+
 def test_dispatcher_op_registers_its_function() -> None:
     """The caller runs the function (directly without a mode, through ``smptk::<name>`` under one, where the
     mode sees the op and not what the function runs), and the op joins ``OPS``."""

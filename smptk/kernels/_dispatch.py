@@ -13,9 +13,10 @@ outputs' shapes) and returns a caller that
 
 ``torch.compile`` does not trace the caller (``torch.compiler.disable``): Dynamo cannot trace a Triton
 launcher's host code (under the interpreter it traced into the interpreter and failed), so it breaks the
-graph there and the op, with its autograd Function, runs as it does eagerly. ``fullgraph=True`` therefore
-refuses the Triton path; the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) is
-traced into the graph.
+graph there and the op, with its autograd Function, runs as it does eagerly (the MoE kernels, which are not
+dispatcher ops, take :func:`outside_graphs` alone). ``fullgraph=True`` therefore refuses the Triton path;
+the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) of the dense ops is traced into
+the graph, while the grouped ops and the MoE chain break it where they read token counts on the host.
 
 Both branches run the same function, so what they compute is the same. The ops return tensors only, and
 fresh ones (no output aliases an input): an output a forward does not make is an empty tensor, which the

@@ -93,7 +93,7 @@ import torch
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer, new_index_buffer
 from smptk.kernels._checks import check_float_tensor
-from smptk.kernels._dispatch import first_derivative_only
+from smptk.kernels._dispatch import first_derivative_only, outside_graphs
 from smptk.kernels._triton import cdiv, kernel_module, next_power_of_2
 
 # The @triton.jit kernels, imported (with triton) on the first Triton-path call: see smptk.kernels._triton.
@@ -183,7 +183,9 @@ def capacity_of(capacity_factor: float | None, num_tokens: int, top_k: int, num_
     if capacity_factor is None:
         return None
     exact = Fraction(capacity_factor if isinstance(capacity_factor, int) else repr(float(capacity_factor)))
-    return math.ceil(exact * num_tokens * top_k / num_experts)
+    # ceil(p * T * k / (q * E)) in integers: the same exact value, and T may be a SymInt (torch.compile
+    # with dynamic shapes), which a Fraction does not multiply
+    return -(-exact.numerator * num_tokens * top_k // (exact.denominator * num_experts))
 
 
 def _check_ids_result(bad: int, num_experts: int) -> None:
@@ -545,9 +547,13 @@ def moe_dispatch(
         return _dispatch_meta(x, expert_ids, num_experts, capacity)
     if not _triton_path(x, expert_ids):
         return _dispatch_torch(x, expert_ids, num_experts, capacity)
+    return _dispatch_triton(x, expert_ids, num_experts, capacity)
+
+
+@outside_graphs  # torch.compile: a graph break, then the Triton launches as in eager (see _dispatch)
+def _dispatch_triton(x, expert_ids, num_experts: int, capacity: int | None):
     plan = dispatch_plan(expert_ids, num_experts, capacity)
-    x_grouped = MoEDispatchFunction.apply(x, plan.source_token, plan.dest)
-    return x_grouped, plan
+    return MoEDispatchFunction.apply(x, plan.source_token, plan.dest), plan
 
 
 def moe_combine(y: torch.Tensor, plan: MoEDispatchPlan, weights: torch.Tensor) -> torch.Tensor:
@@ -588,4 +594,9 @@ def moe_combine(y: torch.Tensor, plan: MoEDispatchPlan, weights: torch.Tensor) -
         )
     if not _triton_path(y, weights):
         return _combine_torch(y, plan, weights)
-    return MoECombineFunction.apply(y, weights, plan.dest, plan.source_pair)
+    return _combine_triton(y, weights, plan.dest, plan.source_pair)
+
+
+@outside_graphs  # torch.compile: a graph break, then the Triton launch as in eager (see _dispatch)
+def _combine_triton(y, weights, dest, source_pair):
+    return MoECombineFunction.apply(y, weights, dest, source_pair)

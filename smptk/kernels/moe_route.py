@@ -76,7 +76,7 @@ import torch
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer, new_index_buffer
 from smptk.kernels._checks import check_float_tensor
-from smptk.kernels._dispatch import first_derivative_only
+from smptk.kernels._dispatch import first_derivative_only, outside_graphs
 from smptk.kernels._triton import cdiv, kernel_module, next_power_of_2
 
 # The @triton.jit kernels, imported (with triton) on the first Triton-path call: see smptk.kernels._triton.
@@ -334,5 +334,9 @@ def moe_route(
     if runtime.select_path(logits, dot=False) == "torch":
         return _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias)
     bias = expert_bias.detach().contiguous() if expert_bias is not None else None
-    out = MoERouteFunction.apply(logits, bias, top_k, SCORE_FUNCS[score_func], renormalize)
-    return MoERouting(*out)
+    return MoERouting(*_route_triton(logits, bias, top_k, SCORE_FUNCS[score_func], renormalize))
+
+
+@outside_graphs  # torch.compile: a graph break, then the Triton launch as in eager (see _dispatch)
+def _route_triton(logits, bias, top_k: int, score_func: int, renormalize: bool) -> tuple:
+    return MoERouteFunction.apply(logits, bias, top_k, score_func, renormalize)
