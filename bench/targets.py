@@ -728,6 +728,17 @@ def evaluate(
     return [evaluate_one(t, rows, gpu_count) for t in targets]
 
 
+def markdown_table(targets: Sequence[Target] = TARGETS) -> str:
+    """The targets as the README lists them (a test keeps that list equal to this one).
+
+    >>> print(markdown_table(TARGETS[:1]).splitlines()[-1][:60])
+    | `linear.gelu_fwd_vs_eager` | >= 1.15x | fused_linear bias+
+    """
+    rows = ["| target | threshold | what is measured |", "| --- | --- | --- |"]
+    rows += [f"| `{t.id}` | {t.threshold_text} | {t.description.replace('|', '/')} |" for t in targets]
+    return "\n".join(rows)
+
+
 def priority(fields: dict[str, Any] | None, nodeid: str, targets: Sequence[Target] = TARGETS) -> int:
     """The index of the first target that needs this benchmark case (``len(targets)`` when none does).
 

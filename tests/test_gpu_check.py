@@ -67,6 +67,12 @@ def test_targets_table_is_well_formed() -> None:
         assert t.op in (">=", "<=") and t.description and t.threshold_text.startswith(t.op)
 
 
+def test_readme_lists_every_target() -> None:
+    """The README's targets table is the one bench/targets.py judges (regenerate it with
+    ``bench.targets.markdown_table()`` when a target changes)."""
+    assert T.markdown_table() in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_met_and_not_met_from_the_rows_ratios() -> None:
     rows = [
         linear("smptk", 1.0e-3, tflops=850.0),
