@@ -70,6 +70,11 @@ def test_fp32_steps_equal_single_process(job, name: str) -> None:
     ref = job[0]["reference_losses"]
     got = _mean_losses(runs)
     assert got == pytest.approx(ref, abs=FP32_TOL), f"{name}: mean loss per step {got}, reference {ref}"
+    # smptk.parallel.clip_grad_norm_ over the sharded gradients: the reference's norms, the infinity norm
+    # included where a rank's shard is empty
+    for rank, run in enumerate(runs):
+        for norm, (ours, want) in run["clip"].items():
+            assert ours == pytest.approx(want, rel=1e-5), f"{name} rank {rank}: {norm}-norm {ours} vs {want}"
 
 
 def test_delayed_init_materializes_the_one_process_values(job) -> None:

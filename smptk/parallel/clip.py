@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 
 @torch.no_grad()
@@ -59,7 +59,10 @@ def clip_grad_norm_(
     for g in grads:
         groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
-    for group in groups.values():
+    for mesh, group in groups.items():
+        if norm_type == math.inf:  # torch's inf norm fails on an empty shard (a small tensor on many ranks)
+            norms.append(_inf_norm(mesh, group))
+            continue
         norm = torch.nn.utils.get_total_norm(group, norm_type, False, foreach)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     device = norms[0].device
@@ -81,6 +84,19 @@ def clip_grad_norm_(
     for dev, tensors in by_device.items():
         torch._foreach_mul_(tensors, coef.to(dev))
     return total
+
+
+def _inf_norm(mesh, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The largest absolute value of ``grads`` (one mesh's DTensors, or plain tensors for ``mesh`` None),
+    fp32, the same on every rank: each rank's largest over its non-empty shards (0 without one), then the
+    largest over the mesh. torch's ``_foreach_norm`` refuses the infinity norm of an empty tensor, which
+    FSDP2 gives a rank whose shard of a small parameter is empty."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    values = [t.detach().abs().max().float() for t in local if t.numel()]
+    m = torch.stack(values).max() if values else torch.zeros((), dtype=torch.float32, device=local[0].device)
+    if mesh is None:
+        return m
+    return DTensor.from_local(m, mesh, [Partial("max")] * mesh.ndim).full_tensor()
 
 
 __all__ = ["clip_grad_norm_"]
