@@ -213,6 +213,19 @@ def test_ddp_options_reach_apply_data_parallel(one_rank) -> None:
         )
 
 
+def test_transform_twice_is_refused(one_rank, monkeypatch) -> None:
+    """A second transform of the same model said "no embed_tokens + layers ... not one of the supported
+    decoder layouts" (the embedding had become smptk's) or failed inside torch; now it names the cause and
+    leaves the model as the first call made it."""
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    module, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
+    ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(4))
+    before = module(ids, labels=ids).loss
+    with pytest.raises(ValueError, match="transform has run on this model already"):
+        sp.transform(module, {"mixed_precision": "fp32"})
+    assert module(ids, labels=ids).loss.item() == before.item()
+
+
 def test_moe_block_in_another_layout_is_refused(one_rank) -> None:
     model = jobs.build("llama")
     model.config.model_type = "mixtral"

@@ -363,6 +363,9 @@ def _split_sequence_hook(group: Any, tp: int, rank: int):
     return hook
 
 
+_TRANSFORMED = "_smptk_transformed"  # set on a model transform has converted
+
+
 def transform(
     model: nn.Module,
     config: Any = None,
@@ -405,11 +408,17 @@ def transform(
         raise TypeError(f"model: expected a Hugging Face nn.Module, got {type(model).__name__}")
     if config is not None and state is not None:
         raise ValueError("config, state: give at most one (config builds a new state)")
+    if any(getattr(m, _TRANSFORMED, False) for m in (model, getattr(model, "module", None))):
+        raise ValueError(
+            "model: transform has run on this model already (it converts the model in place); to run it "
+            "under another config, build or load the model again"
+        )
     if config is not None:
         state = init(config)
     elif state is None:
         state = current()
     arch, cfg = _check(model, state)
+    setattr(model, _TRANSFORMED, True)  # from here on the model is changed in place
     prefix, base = _decoder(model)
 
     # Everything is checked before anything changes: a refused model is left as it was.
