@@ -438,6 +438,25 @@ def test_heaps_are_reported_in_process(world1) -> None:
 
 
 @needs_interpreter
+def test_a_destroyed_groups_heap_is_released(world1) -> None:
+    """A group destroyed while something keeps its object alive (DTensor's caches keep the groups of the
+    meshes it ran on): its heap is closed at the next comm.heaps() or heap build, and heaps() no longer
+    asks torch for the ranks of a group it forgot (a bare KeyError, which hid a heap still mapped)."""
+    from smptk.comm import collectives
+
+    g = dist.new_group([0])
+    x = torch.ones(8)
+    comm.all_reduce(x, group=g)
+    heap = collectives._heaps[g]["cpu"]
+    assert len(comm.heaps()) == 1 and heap.segments
+    dist.destroy_process_group(g)  # ``g`` itself stays referenced here
+    assert comm.heaps() == [] and g not in collectives._heaps and not heap.segments
+    comm.all_reduce(x)  # the default group's heap builds as usual
+    assert [h["ranks"] for h in comm.heaps()] == [(0,)]
+    comm.reset()
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["symmetric", "fallback"])
 def test_world1_collectives_under_torch_compile(world1, dtype: torch.dtype) -> None:
     """Called inside a ``torch.compile``d function, each in-place collective is a graph break and gives the

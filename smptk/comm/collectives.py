@@ -101,6 +101,8 @@ _settings: _Settings | None = None
 _heaps: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, SymmetricHeap | None]] = (
     weakref.WeakKeyDictionary()
 )
+# ... but torch can keep a destroyed group object alive (DTensor's caches hold the groups of the meshes it
+# ran on): _release_destroyed() closes the heaps of groups torch.distributed no longer knows.
 _last_path: str | None = None
 _last_compiled: dict[str, object] = {}  # kernel name -> what Triton compiled for its last launch (GPU only)
 
@@ -200,6 +202,23 @@ def reset(group: dist.ProcessGroup | None = None) -> None:
                 heap.close()
 
 
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is a live group of this process (not destroyed by destroy_process_group)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _release_destroyed() -> None:
+    """Close the heaps of groups that were destroyed while something kept their objects alive."""
+    for group in [g for g in list(_heaps.keys()) if not _registered(g)]:
+        reset(group)
+
+
 def heaps() -> list[dict]:
     """This process's live symmetric heaps, one dict per group and device type: ``ranks`` (the group's
     global ranks), ``rank`` (this process's rank in it), ``world_size``, ``backend`` ("cpu" / "cuda"),
@@ -218,6 +237,7 @@ def heaps() -> list[dict]:
         >>> [(h["ranks"], h["heap_bytes"]) for h in comm.heaps()]
         [((0, 1), 67108864)]
     """
+    _release_destroyed()
     out = []
     for group, per_backend in list(_heaps.items()):
         for backend, heap in per_backend.items():
@@ -270,7 +290,10 @@ def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | Non
         return None
     if not runtime.triton_available():
         return None
-    per_group = _heaps.setdefault(group, {})
+    per_group = _heaps.get(group)
+    if per_group is None:  # a group's first heap: a moment to drop those of destroyed groups
+        _release_destroyed()
+        per_group = _heaps.setdefault(group, {})
     if backend not in per_group:
         _all_arrive(group, _current().timeout_s)
         try:
