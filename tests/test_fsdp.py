@@ -269,6 +269,33 @@ def test_argument_errors() -> None:
             apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"static_graph": True})
 
 
+def test_a_module_shared_by_two_units_is_named() -> None:
+    """ALBERT-style sharing (one Linear in every block): FSDP2 failed with "Cannot concatenate overlapping
+    meshes"; the shared parameter is named, with what works instead. Nested units stay allowed."""
+
+    class Block(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.norm, self.shared = nn.LayerNorm(4), shared
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            lin = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList([Block(lin), Block(lin)])
+
+    with fake_world(2):
+        state = parallel.init({"hybrid_shard_degree": 0, "mixed_precision": "fp32"})
+        message = r"blocks\.1\.shared\.weight is also blocks\.0\.shared\.weight: a module shared by two units"
+        with pytest.raises(ValueError, match=message):
+            apply_data_parallel(Model(), state, use_smptk_collectives=False)
+        # the whole model one unit (the root): the shared Linear sits in one unit
+        _, report = apply_data_parallel(
+            Model(), state, modules=lambda n, m: False, use_smptk_collectives=False
+        )
+        assert len(report.units) == 1
+
+
 def test_replication_reason_names_every_cause() -> None:
     """At tp 1 smptk's layers still hold DTensors: the reason said "tensor parallelism
     (tensor_parallel_degree 1)", and never named bf16, the other cause."""

@@ -288,6 +288,26 @@ def select_units(model: nn.Module, modules: ModuleSpec = None) -> list[tuple[str
     return list(reversed(chosen))
 
 
+def _check_units_share_nothing(units: list[tuple[str, nn.Module]]) -> None:
+    """FSDP2 shards each unit's parameters on their own: a parameter inside two units neither of which
+    contains the other (a module shared by two blocks, ALBERT-style) fails deep in FSDP2 ("Cannot
+    concatenate overlapping meshes"). Name it, and say what works."""
+    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (unit, the parameter's name in it)
+    for unit, module in units:
+        for pname, p in module.named_parameters():
+            if id(p) not in owner:
+                owner[id(p)] = (unit, pname)
+                continue
+            first, first_name = owner[id(p)]
+            if unit.startswith(first + ".") or first.startswith(unit + "."):
+                continue  # nested units: the inner one owns it, as FSDP2 does
+            raise ValueError(
+                f"modules: the parameter {first}.{first_name} is also {unit}.{pname}: a module shared by two "
+                "units, which FSDP2 cannot shard separately; pick units that contain it whole (modules=, "
+                "e.g. their common parent), or replicate the model (hybrid_shard_degree=1)"
+            )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Where smptk's heap applies
 
@@ -501,6 +521,7 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
     smptk_on, why_torch = _smptk_choice(use_smptk, blocker)
 
     units = [*select_units(model, modules), ("", model)]
+    _check_units_share_nothing(units[:-1])
     placement = expert_placement_fn(state.sizes["dp_shard"], expert_parameter_ids(model))
     seen: set[int] = set()
     numels = [_numel(module, seen) for _, module in units]  # before fully_shard replaces the parameters
