@@ -211,14 +211,17 @@ def case_all_to_all(ctx: _Ctx, problems: list[str]) -> None:
         parts = [x.split(s) for x, s in zip(xs, splits, strict=True)]
         return [torch.cat([p[d] for p in parts]) for d in range(len(xs))]
 
-    def uneven(group: str, path, as_tensor: bool = False, agreed: bool = False, **kw) -> None:
+    def uneven(group: str, path, as_tensor=False, agreed=False, as_float=False, **kw) -> None:
         ranks, me = ctx.members(group)
         S = _split_matrix(len(ranks))
         send, recv = S[me], [row[me] for row in S]
         if as_tensor:
             send, recv = torch.tensor(send), torch.tensor(recv, dtype=torch.int32)
+        if as_float:
+            send, recv = [float(v) for v in send], [float(v) for v in recv]
         peak = max(map(max, S)) if agreed else None
-        _check(ctx, problems, f"all_to_all uneven tensor={as_tensor} agreed={agreed}", group, path,
+        name = f"all_to_all uneven tensor={as_tensor} agreed={agreed} float={as_float}"
+        _check(ctx, problems, name, group, path,
                lambda i, n: (sum(_split_matrix(n)[i]), 3),
                lambda x, g: F.all_to_all(x, g, recv, send, agreed_max_split=peak),
                lambda xs: exchange(xs, _split_matrix(len(xs))), **kw)  # fmt: skip
@@ -227,6 +230,7 @@ def case_all_to_all(ctx: _Ctx, problems: list[str]) -> None:
     uneven("sub", HEAP, as_tensor=True, strided=True)
     uneven("mesh1", HEAP, agreed=True)
     uneven("none", FALLBACK)
+    uneven("pg", FALLBACK, as_float=True)  # integral floats, as the collectives take them (new_empty failed)
     _check(ctx, problems, "all_to_all equal splits", "sub_idx", FALLBACK, lambda i, n: (2 * n, 2, 3),
            lambda x, g: F.all_to_all(x, g),
            lambda xs: exchange(xs, [[2] * len(xs)] * len(xs)))  # fmt: skip
@@ -269,6 +273,8 @@ def case_bad_input(ctx: _Ctx, problems: list[str]) -> None:
         (lambda: F.all_reduce(x, (ctx.mesh2, "tp")), ValueError, "no dimension 'tp'; its dimensions are"),
         (lambda: F.all_reduce(x, (ctx.mesh2, 2)), ValueError, "mesh dimension 2 is out of range"),
         (lambda: F.all_to_all(x, None, torch.ones(W), None), ValueError, "output_split_sizes: a tensor"),
+        (lambda: F.all_to_all(x, None, [1.5] * W, None), ValueError,
+         "output_split_sizes[0]: expected an integer"),
         (lambda: F.all_gather(x, None, max_sms=10**6), ValueError, "max_sms"),
     ]  # fmt: skip
     for i, (call, kind, words) in enumerate(calls):

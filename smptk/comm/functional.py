@@ -27,9 +27,11 @@ all-reduce for that case, and :func:`copy_to_group` is its mirror, the entry int
 count the gradient W times.
 
 ``op`` of :func:`reduce_scatter` and :func:`all_reduce`: "sum"; "avg" (the sum divided by W; its
-backward is the gradient's all-gather / all-reduce divided by W); "max" and "min" take the subgradient
-that ``torch.amax`` / ``torch.amin`` take: the summed gradient of an output element goes to the inputs
-equal to it, split evenly between ties (an element whose result is NaN gets none). That backward runs
+backward is the gradient's all-gather / all-reduce divided by W; on integer tensors, which have no
+gradient, the fallback's floor of the mean); "max" and "min" take the subgradient ``torch.amax`` /
+``torch.amin`` take: the summed gradient of an output element goes to the inputs equal to it, split
+evenly between ties; unlike torch's, an element whose result is NaN passes no gradient (torch.amax
+gives every input of it NaN). That backward runs
 two collectives for reduce_scatter (an all-gather of the outputs with their gradients, an all-reduce
 of the tie counts) and one for all_reduce (the gradients and tie counts, stacked).
 
@@ -451,7 +453,8 @@ def _host_splits(name: str, sizes: Splits) -> list[int] | None:
         return sizes.tolist()
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
         raise TypeError(f"{name}: expected a sequence of ints, a 1-D integer tensor or None, got {sizes!r}")
-    return list(sizes)
+    # 2.0 is taken as 2, as the collectives take it; 1.5 is refused, naming the entry
+    return [collectives._as_int(f"{name}[{i}]", v) for i, v in enumerate(sizes)]
 
 
 def copy_to_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None = None) -> torch.Tensor:
