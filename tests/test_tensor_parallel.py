@@ -107,3 +107,25 @@ def test_layer_without_state_or_mesh_says_what_to_do(monkeypatch) -> None:
         tp.ColumnParallelLinear(4, 4)
     with pytest.raises(TypeError, match="1-D DeviceMesh"):
         tp.RowParallelLinear(4, 4, mesh="tp")
+
+
+def test_a_layer_of_a_destroyed_process_group_refuses_to_run() -> None:
+    """A mesh finds its group by name, and names are reused after destroy_process_group: a layer built in
+    an earlier job failed with torch's "Could not resolve the process group", or ran on whichever group now
+    had its name. It raises, saying the model was built in a destroyed group."""
+    from helpers import fake_world
+
+    import smptk.parallel as sp
+
+    with fake_world(4, rank=3):
+        sp.init({"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+        layer = tp.ColumnParallelLinear(8, 8)
+        assert layer.group is not None
+    with fake_world(4, rank=3):
+        sp.init({"hybrid_shard_degree": 2, "mixed_precision": "fp32"})
+        with pytest.raises(
+            RuntimeError, match=r"built for the tensor-parallel group of ranks \[2, 3\].*destroyed"
+        ):
+            _ = layer.group
+        fresh = tp.ColumnParallelLinear(8, 8, mesh=sp.current().submesh("tp"))
+        assert fresh.group is not None

@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -308,6 +309,7 @@ class _TensorParallelLayer(nn.Module):
         self.mesh = _tp_mesh(mesh)
         self.tp_size = self.mesh.size()
         self.tp_rank = self.mesh.get_local_rank()
+        self._group_ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group()))
         self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
         self.sequence_dim = _check_sequence_dim(sequence_dim)
         self.last_path: str | None = None
@@ -316,8 +318,25 @@ class _TensorParallelLayer(nn.Module):
 
     @property
     def group(self):
-        """The ProcessGroup of :attr:`mesh` (not stored: a module holding one could not be deep-copied)."""
-        return self.mesh.get_group()
+        """The ProcessGroup of :attr:`mesh` (not stored: a module holding one could not be deep-copied).
+
+        A mesh finds its group by name, and names are reused after ``destroy_process_group``: a layer built
+        in an earlier process group raises here instead of running on whatever group now has its name."""
+        try:
+            group = self.mesh.get_group()
+            ranks = tuple(dist.get_process_group_ranks(group))
+        except (RuntimeError, KeyError, ValueError) as e:
+            ranks, cause = None, str(e)
+        else:
+            cause = f"its mesh now names the group of ranks {list(ranks)}"
+        built = getattr(self, "_group_ranks", ranks)
+        if ranks != built:
+            raise RuntimeError(
+                f"{type(self).__name__}: built for the tensor-parallel group of ranks {list(built)}, but "
+                f"{cause}: the process group it was built in has been destroyed (destroy_process_group); "
+                "build the model again in this one"
+            )
+        return group
 
 
 class ColumnParallelLinear(_TensorParallelLayer):
