@@ -218,7 +218,10 @@ def test_transform_twice_is_refused(one_rank, monkeypatch) -> None:
     decoder layouts" (the embedding had become smptk's) or failed inside torch; now it names the cause and
     leaves the model as the first call made it."""
     monkeypatch.setenv("SMPTK_KERNELS", "torch")
-    module, _ = sp.transform(jobs.build("llama"), {"mixed_precision": "fp32"})
+    model = jobs.build("llama")
+    with pytest.raises(TypeError, match="sequence_parallel: expected a bool"):  # refused: left as it was
+        sp.transform(model, {"mixed_precision": "fp32"}, sequence_parallel="yes")
+    module, _ = sp.transform(model, {"mixed_precision": "fp32"})  # so a corrected call converts it
     ids = torch.randint(0, jobs.VOCAB, (2, jobs.SEQ), generator=torch.Generator().manual_seed(4))
     before = module(ids, labels=ids).loss
     with pytest.raises(ValueError, match="transform has run on this model already"):

@@ -418,7 +418,6 @@ def transform(
     elif state is None:
         state = current()
     arch, cfg = _check(model, state)
-    setattr(model, _TRANSFORMED, True)  # from here on the model is changed in place
     prefix, base = _decoder(model)
 
     # Everything is checked before anything changes: a refused model is left as it was.
@@ -462,6 +461,7 @@ def transform(
     plan = _tp_plan(prefix, base, model, sp) if tp > 1 else {}  # raises on parameters it cannot split
     _check_split_sizes(model, plan, tp)
 
+    setattr(model, _TRANSFORMED, True)  # every check passed: from here on the model is changed in place
     moe_layers = []
     for i in sparse:
         base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg)
