@@ -169,8 +169,9 @@ def _all_gather_linear_fwd(
     this rank's block, is returned only to a caller that asked for it), z empty unless ``save_z``."""
     g = _coll._named_group(group_name)
     out, gathered, z = _fused_forward(x, w, bias, act, save_z, g, _coll._heap(g, x), programs)
-    empty = x.new_empty((0,))
-    return out, (gathered if return_gathered else empty), (z if save_z else empty)
+    # a fresh empty tensor per output: outputs of a dispatcher op may not alias each other (torch checks
+    # under a dispatch mode, e.g. selective checkpointing's)
+    return out, (gathered if return_gathered else x.new_empty((0,))), (z if save_z else x.new_empty((0,)))
 
 
 def _linear_reduce_scatter_fake(x, w, bias, group_name, programs):
