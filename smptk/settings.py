@@ -180,7 +180,8 @@ _TABLE = (
              "CUDA too (one host sync per call; on CPU they are always checked)"),
     # comm (read once per process, on first use; smptk.comm.configure overrides them)
     Variable("SMPTK_COMM_MAX_SMS", "integer", 8, "programs (SMs) per collective launch (1..256)", low=1),
-    Variable("SMPTK_COMM_TIMEOUT_S", "number", 300.0, "seconds a collective waits on a peer",
+    Variable("SMPTK_COMM_TIMEOUT_S", "number", 300.0, "seconds one collective kernel launch (a chunk of at "
+             "most SMPTK_COMM_HEAP_BYTES) may take, from its start, before it stops waiting on a peer",
              positive=True),
     Variable("SMPTK_COMM_HEAP_BYTES", "integer", 64 * 1024 * 1024, "symmetric heap bytes per rank (a "
              "multiple of 16, >= 4096)", low=4096),

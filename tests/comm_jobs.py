@@ -697,6 +697,56 @@ def case_missing_at_build(c: Case, world: int, rank: int) -> None:
         dist.destroy_process_group(group)
 
 
+def case_heap_build(c: Case, world: int, rank: int) -> None:
+    """Building a group's heap fails on rank W-1 alone, every rank raises the same error naming it, and the
+    next call (the cause gone) builds the heap and runs:
+
+    - rank W-1 configured another heap_bytes: CommMismatchError naming [W-1] and the sizes (before, the
+      build went on and failed with an mmap or FileNotFoundError on some ranks only);
+    - rank W-1's /dev/shm is full (posix_fallocate raises ENOSPC, as a full tmpfs does): CommError naming
+      rank W-1 and heap_bytes (before, the segment was sparse and the first touch of a page /dev/shm could not
+      hold killed the process with SIGBUS, no exception).
+    """
+    import errno
+    import os
+
+    odd = world - 1
+    for kind in ("heap_bytes", "no_space"):
+        group = dist.new_group(list(range(world)))
+        real = os.posix_fallocate
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        try:
+            if rank == odd and kind == "heap_bytes":
+                comm.configure(heap_bytes=2 * HEAP_BYTES)
+            if rank == odd and kind == "no_space":
+                os.posix_fallocate = full
+            if kind == "heap_bytes":
+                exc, text, ranks = comm.CommMismatchError, "heap sizes differ between ranks", [odd]
+            else:
+                exc, ranks = comm.CommError, None
+                text = f"could not allocate the {HEAP_BYTES}-byte symmetric heap (rank {odd}:"
+            try:
+                comm.all_reduce(torch.ones(8), group=group)
+                c.fail(f"{kind}: the build succeeded")
+            except exc as e:
+                if text not in str(e) or (ranks is not None and e.ranks != ranks):
+                    c.fail(f"{kind}: {type(e).__name__}: {e}; expected {text!r} naming {ranks}")
+            except Exception as e:
+                c.fail(f"{kind}: raised {type(e).__name__}: {e}, expected {exc.__name__}")
+        finally:
+            os.posix_fallocate = real
+            comm.configure(heap_bytes=HEAP_BYTES)
+        y = torch.full((8,), float(rank))
+        comm.all_reduce(y, group=group)
+        c.path(f"{kind}: after the failed build", "symmetric")
+        c.equal(f"{kind}: after the failed build", y, torch.full((8,), float(sum(range(world)))))
+        comm.reset(group)
+        dist.destroy_process_group(group)
+
+
 # ------------------------------------------------------------------------- calls that differ across ranks
 
 MISMATCH_LIMIT_S = 10.0  # a mismatch must be reported this fast: far below JOB_TIMEOUT_S, so not by timeout
@@ -911,6 +961,7 @@ def catalog(world: int) -> list[Spec]:
     for kind in MISMATCHES:
         add(f"mismatch-{kind}", case_mismatch, kind=kind)
     add("missing_at_build", case_missing_at_build)
+    add("heap_build", case_heap_build)
     add("missing_rank-max_sms1", case_missing_rank, max_sms=1)
     add("missing_rank-max_sms3", case_missing_rank, max_sms=3)
     return specs

@@ -154,6 +154,13 @@ def test_rank_that_never_calls(world: int, cid: str) -> None:
     assert_case(world, cid)
 
 
+@pytest.mark.parametrize(("world", "cid"), cases("heap_build"))
+def test_a_heap_build_that_fails_on_one_rank_raises_on_every_rank(world: int, cid: str) -> None:
+    """Another heap_bytes on one rank: CommMismatchError naming it; one rank's /dev/shm full: CommError
+    naming it; both on every rank, nothing left in /dev/shm (test_job_leaves_no_shm), then usable."""
+    assert_case(world, cid)
+
+
 @pytest.mark.parametrize(("world", "cid"), cases("mismatch"))
 def test_calls_that_differ_between_ranks(world: int, cid: str) -> None:
     """One rank's call differs (dtype, numel, op, algorithm, max_sms, collective): CommMismatchError on

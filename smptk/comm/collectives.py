@@ -8,8 +8,10 @@ are cut into heap-sized chunks, so any size works. Every kernel launch goes thro
 ``_launch_*`` function of its kernel, then :func:`_launch`), which :mod:`smptk.comm.simulated` runs too.
 
 Settings (:func:`configure`, or the environment before the first call): ``max_sms`` (SMPTK_COMM_MAX_SMS,
-default 8) programs per collective, ``timeout_s`` (SMPTK_COMM_TIMEOUT_S, default 300) per wait on a peer,
-``heap_bytes`` (SMPTK_COMM_HEAP_BYTES, default 64 MiB) per rank. Every rank of a group must use the same
+default 8) programs per collective, ``timeout_s`` (SMPTK_COMM_TIMEOUT_S, default 300) the budget of one
+kernel launch (one chunk of at most ``heap_bytes``), counted from its start: a launch still waiting on a
+peer then gives up, so set it well above the slowest launch (under the interpreter, seconds for a few
+thousand elements on a loaded machine), ``heap_bytes`` (SMPTK_COMM_HEAP_BYTES, default 64 MiB) per rank. Every rank of a group must use the same
 settings and make the same sequence of calls, as with any collective library. The variables are read
 through :mod:`smptk.settings`, once per process (on first use).
 
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import smptk.settings as env_settings
-from smptk.comm.heap import HeapUnavailable, SymmetricHeap
+from smptk.comm.heap import HeapBuildError, HeapUnavailable, SymmetricHeap
 from smptk.kernels import runtime
 from smptk.kernels._dispatch import outside_graphs
 from smptk.kernels._triton import ensure_allocator, kernel_module
@@ -178,7 +180,9 @@ def settings() -> dict[str, float | str]:
 
 
 def last_path() -> str | None:
-    """Which path the last collective on this rank took: "symmetric" or "torch.distributed:<backend>"."""
+    """Which path the last collective on this rank took: "symmetric" (the heap's kernels), "copy_engine"
+    (``algorithm="copy_engine"``: tensor copies of the peers' heap regions) or "torch.distributed:<backend>"
+    (the fallback); None before the first call."""
     return _last_path
 
 
@@ -300,6 +304,11 @@ def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | Non
             per_group[backend] = SymmetricHeap.create(group, _current().heap_bytes, backend)
         except HeapUnavailable:
             per_group[backend] = None
+        except HeapBuildError as e:  # every rank raises it, naming the same ranks
+            rank = dist.get_rank(group)
+            if e.mismatch:
+                raise CommMismatchError(f"rank {rank}: {e}", e.ranks) from None
+            raise CommError(f"rank {rank}: {e}") from None
     return per_group[backend]
 
 
@@ -325,8 +334,14 @@ def _all_arrive(group: dist.ProcessGroup, timeout_s: float) -> None:
     store.set(arrived[rank], "1")
     try:
         store.wait(arrived, datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:  # the store's timeout
-        missing = [q for q in range(world) if not store.check([arrived[q]])]
+    except RuntimeError as e:  # the store's timeout, or the store itself gone
+        try:
+            missing = [q for q in range(world) if not store.check([arrived[q]])]
+        except RuntimeError:
+            raise CommError(
+                f"rank {rank}: the job's store (torch.distributed's rendezvous, hosted by the launcher or "
+                f"global rank 0) stopped answering while waiting to build the group's symmetric heap: {e}"
+            ) from None
         if missing:
             store.set(gave_up[rank], "1")
             raise CommTimeoutError(

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -43,6 +44,44 @@ _ALIGN = 4096
 
 class HeapUnavailable(RuntimeError):
     """No symmetric heap can serve this group here (the caller falls back to torch.distributed)."""
+
+
+class HeapBuildError(RuntimeError):
+    """The ranks could not build the heap together: ``ranks`` (group ranks) asked for another size
+    (``mismatch``) or could not allocate their segment. Raised on every rank, with the same ranks."""
+
+    def __init__(self, message: str, ranks: list[int], mismatch: bool):
+        super().__init__(message)
+        self.ranks, self.mismatch = ranks, mismatch
+
+
+def _agree(group: dist.ProcessGroup, heap_bytes: int, payload, error: str | None) -> list:
+    """Exchange ``(host, heap_bytes, payload, error)`` over ``group`` and check them; the payloads in rank
+    order. Every rank raises the same HeapBuildError when some rank's ``heap_bytes`` differs from rank 0's
+    or some rank failed to allocate (``error``), and HeapUnavailable when the ranks span several hosts."""
+    rows: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, (socket.gethostname(), heap_bytes, payload, error), group=group)
+    sizes = [row[1] for row in rows]
+    odd = [q for q, n in enumerate(sizes) if n != sizes[0]]
+    if odd:
+        raise HeapBuildError(
+            f"symmetric heap sizes differ between ranks (heap_bytes by group rank: {sizes}): every rank "
+            "must use the same smptk.comm.configure(heap_bytes=...) / SMPTK_COMM_HEAP_BYTES",
+            odd,
+            mismatch=True,
+        )
+    failed = {q: row[3] for q, row in enumerate(rows) if row[3] is not None}
+    if failed:
+        detail = "; ".join(f"rank {q}: {why}" for q, why in failed.items())
+        raise HeapBuildError(
+            f"could not allocate the {heap_bytes}-byte symmetric heap ({detail}): lower heap_bytes "
+            "(smptk.comm.configure / SMPTK_COMM_HEAP_BYTES) or free memory",
+            list(failed),
+            mismatch=False,
+        )
+    if len({row[0] for row in rows}) != 1:
+        raise HeapUnavailable("the heap needs every rank of the group on one machine")
+    return [row[2] for row in rows]
 
 
 @dataclass
@@ -139,30 +178,51 @@ def _create_cpu(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
     rank = dist.get_rank(group)
     size = -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
     name = f"/dev/shm/smptk-{secrets.token_hex(16)}"
-    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    own, error = None, None
     try:
-        os.ftruncate(fd, size)
-        own = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    names: list = [None] * world
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        fd, error = None, f"cannot create a segment in /dev/shm: {e}"
     try:
-        dist.all_gather_object(names, (socket.gethostname(), name), group=group)
-        if len({host for host, _ in names}) != 1:
-            raise HeapUnavailable("the cpu heap needs every rank on one machine")
-        maps = []
-        for peer, (_, peer_name) in enumerate(names):
+        if fd is not None:
+            try:
+                # Reserve the pages now: a sparse file accepts any size, and the first touch of a page that
+                # /dev/shm cannot hold kills the process with SIGBUS, no exception, in the middle of a call.
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it: sparse
+                        raise
+                    os.ftruncate(fd, size)
+                own = mmap.mmap(fd, size)
+            except OSError as e:
+                free = os.statvfs("/dev/shm")
+                error = (
+                    f"{size} bytes in /dev/shm ({free.f_bavail * free.f_frsize} free) failed: {e}"
+                    if e.errno == errno.ENOSPC
+                    else f"mapping {size} bytes failed: {e}"
+                )
+            finally:
+                os.close(fd)
+        names = _agree(group, heap_bytes, name, error)
+        maps, error = [], None
+        for peer, peer_name in enumerate(names):
             if peer == rank:
                 maps.append(own)
                 continue
-            pfd = os.open(peer_name, os.O_RDWR)
             try:
-                maps.append(mmap.mmap(pfd, size))
-            finally:
-                os.close(pfd)
-        dist.barrier(group=group)  # every rank has mapped every segment: the names can go
+                pfd = os.open(peer_name, os.O_RDWR)
+                try:
+                    maps.append(mmap.mmap(pfd, size))
+                finally:
+                    os.close(pfd)
+            except OSError as e:
+                error = f"mapping rank {peer}'s {size}-byte segment failed: {e}"
+                break
+        _agree(group, heap_bytes, None, error)  # every rank has mapped every segment: the names can go
     finally:
-        os.unlink(name)
+        if fd is not None:
+            os.unlink(name)
     views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
     addrs = [v.data_ptr() for v in views]
     local = views[rank]
@@ -190,11 +250,14 @@ def _create_cuda(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
         raise HeapUnavailable(f"torch.distributed._symmetric_memory unavailable: {e}") from e
     if not torch.cuda.is_available():
         raise HeapUnavailable("the cuda heap needs a CUDA device")
-    if not same_host(group):
-        raise HeapUnavailable("the cuda heap needs every rank on one node")
     device = torch.device("cuda", torch.cuda.current_device())
     size = -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
-    local = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    local, error = None, None
+    try:
+        local = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError as e:
+        error = f"{size} bytes of symmetric memory on {device}: {e}".splitlines()[0]
+    _agree(group, heap_bytes, None, error)  # also: every rank on one node, or HeapUnavailable
     local[:DATA_OFFSET].zero_()
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
