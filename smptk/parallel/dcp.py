@@ -21,8 +21,8 @@ A checkpoint saved under one parallel config loads under any other with identica
   rank reads the file and no rank holds more than one full tensor beyond its shards.
   :func:`get_full_state_dict` is the way back (rank 0 gets full tensors on CPU).
 
-Layout on disk: the state dict ``{"model": ..., "optim": ..., "step": int}`` (``optim`` only when an
-optimizer is given, ``step`` only when one is), flattened by DCP into keys such as
+Layout on disk: the state dict ``{"model": ..., "optim": ..., "step": int, "extra": {...}}`` (``optim``
+only when an optimizer is given, ``step`` and ``extra`` only when given), flattened by DCP into keys such as
 ``model.blocks.0.up.weight`` and ``optim.state.blocks.0.up.weight.exp_avg``.
 
 Every call is collective over the default process group (every rank calls it with the same path).
@@ -50,7 +50,7 @@ from torch import nn
 
 from smptk.parallel.shard_init import local as _local
 
-MODEL_KEY, OPTIM_KEY, STEP_KEY = "model", "optim", "step"
+MODEL_KEY, OPTIM_KEY, STEP_KEY, EXTRA_KEY = "model", "optim", "step", "extra"
 
 
 def _dcp():
@@ -128,8 +128,9 @@ def _check_materialized(model: nn.Module) -> None:
     if meta:
         raise RuntimeError(
             f"model: {len(meta)} parameters / buffers are on the meta device ({meta[:4]}"
-            f"{' ...' if len(meta) > 4 else ''}); give them memory first (smptk.parallel.materialize, "
-            "or to_empty), then load"
+            f"{' ...' if len(meta) > 4 else ''}); initialize them first (smptk.parallel.materialize), "
+            "then load (to_empty alone leaves buffers the checkpoint does not hold, such as a rotary "
+            "inv_freq, uninitialized)"
         )
 
 
@@ -165,6 +166,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` with DCP.
 
@@ -179,17 +181,71 @@ def save_checkpoint(
         model: the model as trained: tensor-parallel, FSDP2, DDP-wrapped or plain.
         optimizer: its optimizer (any torch optimizer; its state is saved by parameter name), or None.
         step: the training step, returned by :func:`load_checkpoint`; None saves none.
+        extra: more state to resume, ``{name: object with state_dict() / load_state_dict()}`` (an LR
+            scheduler, a data loader's position), the same on every rank (rank 0's is written); pass the
+            same names to :func:`load_checkpoint`.
+
+    Not saved unless passed in ``extra``: the LR scheduler, the data position, RNG states (per rank), and
+    the token counts an :class:`smptk.parallel.MoE` gathered since its last ``update_expert_bias`` (a
+    warning says when some are pending: save right after an update for an exact resume).
+
+    Example::
+
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+        >>> save_checkpoint("ckpt/step100", model, opt, step=100, extra={"sched": sched})
+        >>> load_checkpoint("ckpt/step100", model, opt, extra={"sched": sched})   # 100; sched restored
     """
     path = _check_path(path)
     _check_model_optimizer(model, optimizer)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step: expected an int >= 0 or None, got {step!r}")
+    _check_extra(extra)
+    _warn_pending_moe_counts(model)
     state = _state_dicts(model, optimizer)
     if step is not None:
         state[STEP_KEY] = step
+    if extra:
+        state[EXTRA_KEY] = {name: obj.state_dict() for name, obj in extra.items()}
     Path(path).mkdir(parents=True, exist_ok=True)
     with _single_process_intended(), _checkpoint_errors(f"saving the checkpoint at {path!r}"):
         _dcp().save(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def _check_extra(extra: object) -> None:
+    if extra is None:
+        return
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra: expected a mapping of names to stateful objects, got {type(extra).__name__}")
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"extra: names must be non-empty strings without '.', got {name!r}")
+        if not (
+            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"extra[{name!r}]: expected an object with state_dict() and load_state_dict() (an LR "
+                f"scheduler, ...), got {type(obj).__name__}"
+            )
+
+
+def _warn_pending_moe_counts(model: nn.Module) -> None:
+    """MoE layers' token counts since their last update_expert_bias are not saved (a per-rank statistic,
+    zeroed at load): say so when some are pending and the layer balances by them."""
+    pending = [
+        name
+        for name, m in model.named_modules()
+        if getattr(m, "expert_bias", None) is not None
+        and torch.is_tensor(getattr(m, "tokens_per_expert", None))
+        and not _local(m.tokens_per_expert).is_meta
+        and bool(_local(m.tokens_per_expert).any())
+    ]
+    if pending:
+        warnings.warn(
+            f"save_checkpoint: MoE layers {pending[:4]}{' ...' if len(pending) > 4 else ''} hold token "
+            "counts gathered since their last update_expert_bias, which the checkpoint does not keep (a "
+            "resumed run starts counting afresh): save right after update_expert_bias for an exact resume",
+            stacklevel=3,
+        )
 
 
 def checkpoint_keys(path: str | os.PathLike) -> list[str]:
@@ -213,6 +269,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    extra: Mapping[str, Any] | None = None,
 ) -> int | None:
     """Load a :func:`save_checkpoint` directory into ``model`` (and ``optimizer``), under any config.
 
@@ -231,16 +288,28 @@ def load_checkpoint(
             by their parameters' names), or None to load the model only.
         strict: every parameter of ``model`` must be in the checkpoint (and nothing else in
             the model part of it); False loads what matches.
+        extra: ``{name: object}`` saved with ``save_checkpoint(..., extra=...)``: each object's
+            ``load_state_dict`` gets its saved state (KeyError when the checkpoint has no such name).
 
     Returns:
         The ``step`` given to :func:`save_checkpoint`, or None when it was given none.
     """
     path = _check_path(path)
     _check_model_optimizer(model, optimizer)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     keys = checkpoint_keys(path)
     _check_materialized(model)
+    _check_extra(extra)
+    absent = [n for n in extra or {} if not any(k.startswith(f"{EXTRA_KEY}.{n}.") for k in keys)]
+    if absent:
+        raise KeyError(
+            f"extra: the checkpoint at {path!r} holds no state named {absent} (saved with extra=...)"
+        )
     saved_state = any(k.startswith(f"{OPTIM_KEY}.state.") for k in keys)
     if optimizer is not None:
         if not any(k.startswith(OPTIM_KEY + ".") for k in keys):
@@ -258,6 +327,15 @@ def load_checkpoint(
     state = _state_dicts(model, optimizer, template=True)
     if optimizer is not None and not saved_state:  # saved before its first step: load it without state
         state[OPTIM_KEY] = {**state[OPTIM_KEY], "state": {}}
+    stateless: list[str] = []
+    if optimizer is not None and saved_state:
+        # A parameter that had no gradient before the save (an unused branch) has no state there; the
+        # template made some for it (a step at lr 0): load it without state, as it was saved.
+        stateless = [n for n in state[OPTIM_KEY]["state"] if not _has_state(keys, n)]
+        state[OPTIM_KEY] = {
+            **state[OPTIM_KEY],
+            "state": {n: v for n, v in state[OPTIM_KEY]["state"].items() if n not in stateless},
+        }
     if strict:
         saved = {k[len(MODEL_KEY) + 1 :] for k in keys if k.startswith(MODEL_KEY + ".")}
         missing, unexpected = _matching_keys(saved, state[MODEL_KEY])
@@ -270,18 +348,28 @@ def load_checkpoint(
             )
     if STEP_KEY in keys:
         state[STEP_KEY] = 0
+    if extra:
+        state[EXTRA_KEY] = {name: obj.state_dict() for name, obj in extra.items()}
     with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
         _dcp().load(state, checkpoint_id=path, no_dist=not _distributed(), planner=_planner(strict))
-    set_state_dict(
-        model,
-        [optimizer] if optimizer is not None else [],
-        model_state_dict=state[MODEL_KEY],
-        optim_state_dict=state.get(OPTIM_KEY, {}),
-        options=StateDictOptions(strict=strict),
-    )
+    set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        # torch's strict check asks for state of every parameter that requires a gradient
+        strict_optim = strict and not (saved_state and stateless)
+        set_optimizer_state_dict(
+            model, optimizer, state[OPTIM_KEY], options=StateDictOptions(strict=strict_optim)
+        )
     if optimizer is not None and not saved_state:
         optimizer.state.clear()  # as a new optimizer: its first step makes the state
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(state[EXTRA_KEY][name])
     return state.get(STEP_KEY)
+
+
+def _has_state(keys: list[str], name: str) -> bool:
+    """Whether the checkpoint's ``keys`` hold optimizer state for the parameter named ``name``."""
+    prefix = f"{OPTIM_KEY}.state.{name}."
+    return any(k.startswith(prefix) for k in keys)
 
 
 def _planner(strict: bool):
