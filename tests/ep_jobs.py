@@ -19,6 +19,9 @@ World 2 (``init({"expert_parallel_degree": 2})``: ep = the world):
 - ``checkpoint``: under ``torch.utils.checkpoint`` (non-reentrant) the EP layer recomputes its forward,
   all-to-alls included, in backward; ``tokens_per_expert`` and every gradient equal the run without
   checkpointing;
+- ``selective``: apply_expert_parallel, selective activation checkpointing, apply_data_parallel (the
+  experts' unit nested in the checkpointed block, on a 1-rank shard mesh): gradients equal the unchecked
+  model's;
 - ``dcp``: the EP2 state dict saved with torch.distributed.checkpoint loads into an unsharded MoE (EP1)
   on every rank with the full weights;
 - ``bad_input``: experts not divisible by the mesh, a second application, a non-MoE module, a 2-D mesh.
@@ -173,6 +176,31 @@ def _checkpoint(state, problems: list[str]) -> None:
         _close(problems, f"grad {i} with checkpoint", b, a)
 
 
+def _selective(state, problems: list[str]) -> None:
+    """apply_expert_parallel + selective checkpointing + apply_data_parallel at ep = dp_shard (the experts'
+    FSDP2 unit on a 1-rank shard mesh, nested in the checkpointed block): backward failed ("profiler.
+    _record_function_enter_new ... invocation index 2 ... not found in storage": FSDP2's hook annotations
+    differ between forward and recompute); gradients equal the unchecked model's."""
+    import smptk.parallel as sp
+    from smptk.parallel import MoE
+
+    grads = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(6)
+        model = nn.Sequential()
+        model.layers = nn.ModuleList([nn.Sequential(MoE(H, F_, E, top_k=2), nn.Tanh())])
+        model.forward = lambda x, model=model: model.layers[0](x)
+        sp.apply_expert_parallel(model, state)
+        if mode != "none":
+            sp.apply_activation_checkpointing(model, mode=mode)
+        model, _ = sp.apply_data_parallel(model, state)
+        x, probe = _tokens(state.rank, 6)
+        (model(x) * probe).sum().backward()
+        grads[mode] = [p.grad.full_tensor() for p in model.parameters()]
+    for i, (a, b) in enumerate(zip(grads["none"], grads["selective"], strict=True)):
+        _close(problems, f"grad {i} under selective checkpointing", b, a)
+
+
 def _dcp(state, problems: list[str], tmpdir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -310,7 +338,7 @@ def _dcp_reshard(state, problems: list[str], tmpdir: str) -> None:
         problems.append(f"EP4: {ep4.moe.w_gate.to_local().shape[0]} local experts, expected {E // 4}")
 
 
-CASES_2 = ("style", "constructor", "checkpoint", "dcp", "bad_input")
+CASES_2 = ("style", "constructor", "checkpoint", "selective", "dcp", "bad_input")
 CASES_4 = ("ep2_dp2", "dcp_reshard", "ep2_dp2_two_experts", "ep2_hsdp2")
 
 
@@ -326,6 +354,7 @@ def run(rank: int, world: int, tmpdir: str) -> dict[str, str | None]:
         "style": lambda p: _style(state, p),
         "constructor": lambda p: _constructor(state, p),
         "checkpoint": lambda p: _checkpoint(state, p),
+        "selective": lambda p: _selective(state, p),
         "dcp": lambda p: _dcp(state, p, tmpdir),
         "bad_input": lambda p: _bad_input(state, p),
         "ep2_dp2": lambda p: _ep2_dp2(state, p, tmpdir),

@@ -111,9 +111,19 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 
 def _selective_contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    import torch.utils.checkpoint as tc
 
-    return create_selective_checkpoint_contexts(_selective_policy)
+    # Torch's selective checkpointing replays ops by their count in the region, profiler annotations
+    # included; FSDP2 annotates its hooks with record_function, and a nested unit (MoE experts under expert
+    # parallelism) runs another number of them in the recompute (FSDP::root_pre_forward) than in the
+    # forward, so backward failed with "record_function_enter_new invocation index 2 ... not found in
+    # storage". They are no computation: skipped by the replay, as torch's fix upstream does (torchtitan
+    # issue 3427). Idempotent: the set is torch's own list of ops the replay skips.
+    profiler = torch.ops.profiler
+    tc.SAC_IGNORED_OPS.update(
+        {profiler._record_function_enter_new.default, profiler._record_function_exit._RecordFunction}
+    )
+    return tc.create_selective_checkpoint_contexts(_selective_policy)
 
 
 @dataclasses.dataclass(eq=False)
