@@ -28,6 +28,8 @@ World 2 (``init({"expert_parallel_degree": 2})``: ep = the world):
 
 World 4 (``init({"expert_parallel_degree": 2})``: dp_shard 4, ep 2, edp_shard 2):
 
+- ``bias_group``: ``update_expert_bias`` refuses the ep group (2 of the 4 dp ranks) and takes the dp
+  DeviceMesh, after which every rank holds the same bias;
 - ``ep2_dp2``: ``apply_expert_parallel`` (EP over ``ep``, FSDP2 over ``(dp_replicate, edp_shard)``)
   then ``apply_data_parallel`` (the rest: FSDP2 over ``(dp_replicate, dp_shard)``, the experts' units
   left as they are); three SGD (momentum) steps, each
@@ -201,6 +203,28 @@ def _selective(state, problems: list[str]) -> None:
         _close(problems, f"grad {i} under selective checkpointing", b, a)
 
 
+def _bias_group(state, problems: list[str]) -> None:
+    """update_expert_bias's group must hold every data-parallel rank: the layer's ep group alone (2 of the
+    4 dp ranks) used to be accepted and left the two halves of the world with other biases; a 1-D
+    DeviceMesh (``state.submesh("dp")``) is taken as its group (a raw torch error before)."""
+    from smptk.parallel import MoE
+
+    torch.manual_seed(7)
+    moe = MoE(H, F_, E, top_k=2, expert_bias=True, ep_group=state.group("ep"))
+    moe(_tokens(state.rank, 6)[0])
+    try:
+        moe.update_expert_bias(1e-2, group=state.group("ep"))
+        problems.append("group=the ep group (2 of 4 dp ranks): accepted")
+    except ValueError as e:
+        if "not all of this rank's data-parallel ranks" not in str(e):
+            problems.append(f"group=the ep group: {e}")
+    moe.update_expert_bias(1e-2, group=state.submesh("dp"))
+    biases = [torch.empty_like(moe.expert_bias) for _ in range(state.world_size)]
+    dist.all_gather(biases, moe.expert_bias)
+    if not all(torch.equal(b, biases[0]) for b in biases) or not biases[0].any():
+        problems.append(f"biases after an update over dp: {[b.tolist() for b in biases]}")
+
+
 def _dcp(state, problems: list[str], tmpdir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -232,6 +256,12 @@ def _bad_input(state, problems: list[str]) -> None:
     ]
     twice = MoE(H, F_, E, ep_mesh=mesh)
     cases.append((lambda: parallelize_module(twice, mesh, ExpertParallel()), ValueError, "already"))
+    # experts split at construction, then data parallelism without apply_expert_parallel: torch's "Cannot
+    # concatenate overlapping meshes" before; now the unit-less experts are named
+    import smptk.parallel as sp
+
+    loose = nn.Sequential(nn.Linear(H, H), MoE(H, F_, E, ep_mesh=mesh))
+    cases.append((lambda: sp.apply_data_parallel(loose, state), ValueError, "['1.experts']: expert weights"))
     for i, (call, kind, text) in enumerate(cases):
         try:
             call()
@@ -339,7 +369,7 @@ def _dcp_reshard(state, problems: list[str], tmpdir: str) -> None:
 
 
 CASES_2 = ("style", "constructor", "checkpoint", "selective", "dcp", "bad_input")
-CASES_4 = ("ep2_dp2", "dcp_reshard", "ep2_dp2_two_experts", "ep2_hsdp2")
+CASES_4 = ("bias_group", "ep2_dp2", "dcp_reshard", "ep2_dp2_two_experts", "ep2_hsdp2")
 
 
 def run(rank: int, world: int, tmpdir: str) -> dict[str, str | None]:
@@ -357,6 +387,7 @@ def run(rank: int, world: int, tmpdir: str) -> dict[str, str | None]:
         "selective": lambda p: _selective(state, p),
         "dcp": lambda p: _dcp(state, p, tmpdir),
         "bad_input": lambda p: _bad_input(state, p),
+        "bias_group": lambda p: _bias_group(state, p),
         "ep2_dp2": lambda p: _ep2_dp2(state, p, tmpdir),
         "dcp_reshard": lambda p: _dcp_reshard(state, p, tmpdir),
         "ep2_dp2_two_experts": lambda p: _ep2_dp2(state, p, tmpdir, num_experts=2, shard_dim=1),

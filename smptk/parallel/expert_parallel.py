@@ -250,6 +250,21 @@ def expert_parameter_ids(model: nn.Module) -> set[int]:
     return {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
 
 
+def experts_without_unit(model: nn.Module) -> list[str]:
+    """Qualified names of the expert modules of ``model`` whose weights are split over an ``ep`` mesh
+    (DTensors: :class:`ExpertParallel`, ``MoE(ep_mesh=...)``) but that are no FSDP2 unit of their own: a
+    data-parallel unit around them would put the ep mesh and the dp mesh on one parameter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, GroupedExperts)
+        and not isinstance(m, FSDPModule)
+        and any(isinstance(p, DTensor) for p in m.parameters(False))
+    ]
+
+
 def apply_expert_parallel(
     model: nn.Module,
     state=None,

@@ -85,7 +85,7 @@ from smptk.comm.heap import same_host
 from smptk.kernels import runtime
 from smptk.kernels.heap_layout import MAX_WORLD
 from smptk.parallel.config import ParallelState, current
-from smptk.parallel.expert_parallel import expert_parameter_ids, expert_placement_fn
+from smptk.parallel.expert_parallel import expert_parameter_ids, expert_placement_fn, experts_without_unit
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -522,6 +522,15 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
 
     units = [*select_units(model, modules), ("", model)]
     _check_units_share_nothing(units[:-1])
+    loose = experts_without_unit(model)
+    if loose:
+        raise ValueError(
+            f"{loose[:4]}: expert weights split over the ep mesh (ExpertParallel or MoE(ep_mesh=...)) "
+            "without an FSDP2 unit of their own, which the data-parallel units around them cannot shard "
+            "(torch: 'Cannot concatenate overlapping meshes'): build the MoE layers unsplit and call "
+            "smptk.parallel.apply_expert_parallel(model, state) before apply_data_parallel (it splits the "
+            "experts and gives each its own unit over the experts' data-parallel ranks)"
+        )
     placement = expert_placement_fn(state.sizes["dp_shard"], expert_parameter_ids(model))
     seen: set[int] = set()
     numels = [_numel(module, seen) for _, module in units]  # before fully_shard replaces the parameters

@@ -77,6 +77,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from smptk.comm.functional import GroupLike, resolve_group
 from smptk.kernels import fused_linear, swiglu
 from smptk.kernels.grouped_linear import grouped_linear, grouped_swiglu
 from smptk.kernels.moe_dispatch import MoEDispatchPlan, moe_combine, moe_dispatch
@@ -170,6 +171,27 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _balancing_group(group: GroupLike, ep_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group`` as a ProcessGroup, refused (ValueError) when it cannot hold every rank whose router must
+    keep this rank's bias: the layer's expert-parallel ranks and, under smptk.parallel.init, the
+    data-parallel ranks (a smaller group leaves replicas of the router with other biases)."""
+    from smptk.parallel import config
+
+    pg = resolve_group(group)
+    ranks = set(dist.get_process_group_ranks(pg))
+    need = set(dist.get_process_group_ranks(ep_group)) if ep_group is not None else set()
+    what = "the layer's expert-parallel ranks"
+    if config.is_initialized() and "dp" in config.current().sizes:
+        need |= set(config.current().ranks("dp"))
+        what = "this rank's data-parallel ranks (state.group('dp'))"
+    if not need <= ranks:
+        raise ValueError(
+            f"group: holds ranks {sorted(ranks)}, not all of {what} {sorted(need)}: the ranks left out would "
+            "steer by another load and keep another bias; pass state.group('dp')"
+        )
+    return pg
+
+
 class MoE(nn.Module):
     """Router + SwiGLU experts (+ optional shared experts), single device or expert-parallel.
 
@@ -213,9 +235,10 @@ class MoE(nn.Module):
 
     Example::
 
+        >>> torch.manual_seed(0)
         >>> moe = MoE(64, 128, num_experts=8, top_k=2, num_shared_experts=1, capacity_factor=1.25)
         >>> y = moe(torch.randn(32, 64))
-        >>> moe.last_plan.num_dropped
+        >>> moe.last_plan.num_dropped   # pairs past an expert's capacity (C = 10 here), for this seed
         3
     """
 
@@ -445,13 +468,16 @@ class MoE(nn.Module):
             self.tokens_per_expert.zero_()
 
     @torch.no_grad()
-    def update_expert_bias(self, rate: float = 1e-3, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    def update_expert_bias(self, rate: float = 1e-3, group: GroupLike = None) -> torch.Tensor:
         """Aux-loss-free balancing step: ``bias += rate * sign(mean load - load)``; returns the load used.
 
         The load is :attr:`tokens_per_expert` accumulated since the last update, summed over ``group``
         when given (the data-parallel group, ``state.group("dp")``, which holds the expert-parallel ranks:
         every rank that routes other tokens, so every rank applies the same update); the counts are then
-        reset. Overloaded experts become less likely to be picked, underloaded ones more. An
+        reset (``group``: a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)``; it must hold the layer's
+        expert-parallel ranks, and under :func:`smptk.parallel.init` every data-parallel rank of this one,
+        or ``ValueError``: a smaller group leaves replicas of the router with other biases). Overloaded
+        experts become less likely to be picked, underloaded ones more. An
         expert-parallel layer needs ``group`` (each rank's own load would leave each rank another bias, and
         the replicated router another rule per rank): ``ValueError`` without it; in a multi-process job
         without expert parallelism a missing ``group`` warns, for the same reason across replicas.
@@ -459,8 +485,11 @@ class MoE(nn.Module):
         Example::
 
             >>> moe = MoE(64, 128, num_experts=8, top_k=2, expert_bias=True)
-            >>> for batch in batches: ...; moe(batch); ...
-            >>> moe.update_expert_bias(rate=1e-3)
+            >>> for _ in range(4):
+            ...     moe(torch.randn(32, 64)).square().mean().backward()
+            >>> load = moe.update_expert_bias(rate=1e-3)   # the 4 batches' routed pairs per expert
+            >>> int(load.sum())                              # 4 batches x 32 tokens x top_k 2
+            256
         """
         if self.expert_bias is None:
             raise RuntimeError("update_expert_bias: the layer was built without expert_bias=True")
@@ -472,6 +501,8 @@ class MoE(nn.Module):
                 "other tokens; pass the data-parallel group (state.group('dp'), which holds the ep ranks) "
                 "so every rank steers by the same summed load and keeps the same bias"
             )
+        if group is not None:
+            group = _balancing_group(group, self.ep_group)
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             warnings.warn(
                 "update_expert_bias: no group in a multi-process job: each rank steers by its own load, so "
