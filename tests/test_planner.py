@@ -478,6 +478,21 @@ def test_advise_says_what_would_fit_when_nothing_does() -> None:
     assert "nothing fits" in adv.summary()
 
 
+def test_advise_blames_the_global_batch_not_memory_when_configurations_fit() -> None:
+    """On 2000 nodes every configuration that fits in memory exceeds the 4M-token batch: the suggestions
+    used to say how much memory the smallest one needs and to ask for more nodes or larger GPUs (which
+    make the batch larger); at 256 nodes the tp 8 pick said "needed to fit" though tp 1 fits."""
+    adv = advise("llama2-7b", "p5.48xlarge", seq_len=4096, nodes=2000)
+    assert adv.candidates == () and any(c.fits for c in adv.rejected)
+    text = " ".join(adv.suggestions)
+    assert "exceeds the 4M-token global batch" in text and "at most 1024 nodes" in text, text
+    assert "larger GPU" not in text and "would fit" not in text and "needs" not in text, text
+    assert "no configuration is within bounds" in adv.summary()
+    best = advise("llama2-7b", "p5.48xlarge", seq_len=4096, nodes=256).best
+    assert best.config.tensor_parallel_degree > 1 and "needed to fit" not in best.reason
+    assert "keep the global batch within bounds" in best.reason
+
+
 def test_advise_searches_expert_parallelism_for_moe() -> None:
     adv = advise("qwen3-30b-a3b", "p5.48xlarge", nodes=1, seq_len=4096)
     searched = {c.config.expert_parallel_degree for c in adv.candidates + adv.rejected}
@@ -538,6 +553,30 @@ def test_plan_custom_cluster_file(capsys, tmp_path) -> None:
 def test_plan_errors_name_the_problem(capsys, args, match) -> None:
     assert main(["plan", *args]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--top", "0"], "--top: expected an int >= 1, got 0"),  # printed an empty table, exit 0
+        (["--top", "-1"], "--top: expected an int >= 1, got -1"),  # printed all candidates but the last
+        (["--micro-batch", "4"], "--micro-batch / --grad-accum apply to --config only"),  # ignored
+        (["--grad-accum", "-7"], "--micro-batch / --grad-accum apply to --config only"),
+    ],
+)
+def test_plan_refuses_options_it_would_ignore_or_misread(capsys, extra, match) -> None:
+    assert main(["plan", "--model", "llama2-7b", "--instance", "p5", *extra]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_plan_names_a_model_or_cluster_file_that_is_not_json(capsys, tmp_path) -> None:
+    """A --model file that is not JSON gave the bare parser message ("Expecting value: line 1 ...")."""
+    bad = tmp_path / "config.json"
+    bad.write_text("not json")
+    assert main(["plan", "--model", str(bad), "--instance", "p5"]) == 2
+    assert f"config: {str(bad)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama2-7b", "--instance", str(bad)]) == 2
+    assert f"--instance: {str(bad)!r} is not valid JSON" in capsys.readouterr().err
 
 
 def test_model_spec_describe_and_presets() -> None:

@@ -159,7 +159,9 @@ class Advice:
     def summary(self, top: int = 5) -> str:
         head = f"{self.model.describe()}\n{self.cluster.describe()}, seq_len {self.seq_len}"
         if not self.candidates:
-            return head + "\nnothing fits:\n" + "\n".join(f"- {s}" for s in self.suggestions)
+            fits = any(c.fits for c in self.rejected)
+            what = "no configuration is within bounds" if fits else "nothing fits"
+            return head + f"\n{what}:\n" + "\n".join(f"- {s}" for s in self.suggestions)
         lines = [head]
         for i, c in enumerate(self.candidates[:top], 1):
             lines.append(
@@ -405,9 +407,10 @@ def advise(
         )
     )
     plain = {_fit_key(c) for c in survivors if c.config.activation_checkpointing == "none"}
+    tp1_fits = any(c.fits and c.config.tensor_parallel_degree == 1 for c in (*kept, *rejected))
     ranked = []
     for i, c in enumerate(survivors):
-        why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain)
+        why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain, tp1_fits=tp1_fits)
         ranked.append(dataclasses.replace(c, reason=why))
     suggestions = (
         _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss)
@@ -437,16 +440,18 @@ def _fit_key(c: Candidate) -> tuple:
     )
 
 
-def _why(c: Candidate, first: bool, seq_len: int, needed: bool = True) -> str:
+def _why(c: Candidate, first: bool, seq_len: int, needed: bool = True, tp1_fits: bool = False) -> str:
+    """``tp1_fits``: some tp 1 configuration fits in memory (but was rejected for its global batch)."""
     sz = c.estimate.sizes
     parts = ["fastest predicted" if first else "fits"]
     parts.append(f"smallest sharding that fits at this shape (dp_shard {sz['dp_shard']})")
     if sz["tp"] > 1:
-        parts.append(
-            f"tp {sz['tp']}: long sequence ({seq_len})"
-            if seq_len >= LONG_SEQUENCE
-            else f"tp {sz['tp']}: needed to fit"
-        )
+        if seq_len >= LONG_SEQUENCE:
+            parts.append(f"tp {sz['tp']}: long sequence ({seq_len})")
+        elif tp1_fits:
+            parts.append(f"tp {sz['tp']}: fewer data-parallel ranks keep the global batch within bounds")
+        else:
+            parts.append(f"tp {sz['tp']}: needed to fit")
     ac = c.config.activation_checkpointing
     if ac != "none":
         what = f"{ac} checkpointing" + (" + offload" if c.config.sm_activation_offloading else "")
@@ -477,6 +482,26 @@ def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss) -
 
 
 def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss) -> list[str]:
+    fitting = [c for c in rejected if c.fits]
+    if fitting:  # memory is not what stops them: the global batch is (more memory would not help)
+        over = [c for c in fitting if c.global_batch_tokens > MAX_GLOBAL_BATCH_TOKENS]
+        out = []
+        if over:
+            least = min(over, key=lambda c: c.global_batch_tokens)
+            nodes = max(1, cl.nodes * MAX_GLOBAL_BATCH_TOKENS // least.global_batch_tokens)
+            out.append(
+                f"{len(fitting)} configurations fit in memory, but each exceeds the 4M-token global batch "
+                f"(the smallest: {least.global_batch_tokens:,} tokens, {least.estimate.sizes['dp']} "
+                f"data-parallel ranks x micro-batch {least.micro_batch} x {seq_len}): use a shorter "
+                f"sequence, at most {nodes} nodes, or more tensor parallelism than {cl.gpus_per_node} GPUs "
+                "per node allow"
+            )
+        if len(over) < len(fitting):
+            out.append(
+                f"{len(fitting) - len(over)} configurations fit in memory but miss the asked global batch by "
+                "more than 25%: ask for a global batch that a multiple of dp x micro-batch x seq_len reaches"
+            )
+        return out
     out = []
     memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
     least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss)
@@ -484,11 +509,6 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
         out.append(
             f"the smallest configuration (full sharding, the largest tp, full checkpointing + offloading, "
             f"micro-batch 1) needs {least / 2**30:.1f} GiB per GPU; {memory / 2**30:.1f} GiB are available"
-        )
-    if rejected and all(c.fits for c in rejected):
-        out.append(
-            f"every configuration that fits exceeds the 4M-token global batch: use a shorter sequence, "
-            f"fewer nodes, or more tensor parallelism than {cl.gpus_per_node} GPUs per node allow"
         )
     for n in (2, 4, 8, 16, 32, 64):
         bigger = cl.with_nodes(cl.nodes * n)

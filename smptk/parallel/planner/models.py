@@ -368,7 +368,10 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         with open(path) as f:
-            config = json.load(f)
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"config: {path!r} is not a JSON Hugging Face config: {e}") from None
     elif hasattr(config, "to_dict") and not isinstance(config, Mapping):
         config = config.to_dict()
     if not isinstance(config, Mapping):

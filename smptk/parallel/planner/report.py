@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--global-batch-tokens", type=int, help="the global batch to reach (accumulation fills it)"
     )
     p.add_argument("--config", help="evaluate this ParallelConfig (a JSON file or an inline JSON object)")
-    p.add_argument("--micro-batch", type=int, default=1, help="with --config: sequences per rank (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="with --config: micro-batches per step")
+    p.add_argument("--micro-batch", type=int, help="with --config: sequences per rank (default 1)")
+    p.add_argument("--grad-accum", type=int, help="with --config: micro-batches per step (default 1)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
     p.add_argument("--attention", default="flash", choices=ATTENTION)
     p.add_argument(
@@ -72,7 +72,10 @@ def _load_config(text: str) -> Any:
 def _load_cluster(text: str, nodes: int):
     if os.path.exists(text) and text.endswith(".json"):
         with open(text) as f:
-            return cluster(json.load(f), nodes)
+            try:
+                return cluster(json.load(f), nodes)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--instance: {text!r} is not valid JSON: {e}") from None
     return cluster(text, nodes)
 
 
@@ -119,16 +122,24 @@ def run(args: argparse.Namespace, out=None) -> int:
     """``smptk plan`` with parsed ``args``; returns the exit status (2 for bad input, with the reason)."""
     out = out or sys.stdout
     try:
+        if args.top < 1:
+            raise ValueError(f"--top: expected an int >= 1, got {args.top}")
+        if args.config is None and (args.micro_batch is not None or args.grad_accum is not None):
+            raise ValueError(
+                "--micro-batch / --grad-accum apply to --config only (advice searches micro-batches and "
+                "fills --global-batch-tokens with accumulation itself)"
+            )
         spec = model_spec(args.model)
         cl = _load_cluster(args.instance, args.nodes)
         if args.config is not None:
             cfg = _load_config(args.config)
+            mb = 1 if args.micro_batch is None else args.micro_batch
+            accum = 1 if args.grad_accum is None else args.grad_accum
             est = estimate_memory(
-                spec, cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, cluster=cl,
+                spec, cfg, seq_len=args.seq_len, micro_batch=mb, cluster=cl,
                 optimizer=args.optimizer, attention=args.attention, loss=args.loss,
             )  # fmt: skip
-            tm = step_time(spec, est.config, cl, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                           grad_accum=args.grad_accum)  # fmt: skip
+            tm = step_time(spec, est.config, cl, seq_len=args.seq_len, micro_batch=mb, grad_accum=accum)
             fits = est.fits()
             if args.json:
                 doc = {**est.to_dict(), "fits": fits, "step": tm.__dict__}
@@ -154,9 +165,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     print(spec.describe(), file=out)
     print(f"{cl.describe()}, seq_len {args.seq_len}", file=out)
     if not adv.candidates:
-        print("nothing fits:", file=out)
-        for s in adv.suggestions:
-            print(f"- {s}", file=out)
+        print(adv.summary().split("\n", 2)[2], file=out)  # "nothing fits:" (or why not) and the suggestions
         return 0
     print(advice_table(adv, args.top), file=out)
     print(breakdown_table(adv.best.estimate), file=out)
