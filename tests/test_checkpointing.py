@@ -225,6 +225,41 @@ def test_offloading_moves_inputs_out_and_back_ahead(horizon: int) -> None:
         assert loads == expected, (horizon, off.log)
 
 
+def test_offloading_brings_a_units_other_inputs_before_the_next_unit() -> None:
+    """Units that save two inputs (a Llama block's hidden state and its rotary tables): backward's first
+    read of a unit loads that tensor on demand, then prefetches the unit's other input, then the unit
+    before (it prefetched the unit before first, and the unit's own other input came on demand, on the
+    compute stream, after it)."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * scale
+
+    model = _model(3)
+    model.blocks = nn.ModuleList([TwoInputs(b) for b in model.blocks])
+    scale = torch.full((6,), 1.5)
+
+    def forward(x):
+        x = model.inp(x)
+        for b in model.blocks:
+            x = b(x, scale + 0)  # a fresh tensor per block, saved by that block
+        return model.head(x)
+
+    model.forward = forward
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    apply_activation_checkpointing(model, mode="full", offloader=off)
+    model(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    loads = [e for e in off.log if e[0] == "load"]
+    assert loads == [
+        ("load", 2, "on demand"), ("load", 2, "prefetch"), ("load", 1, "prefetch"), ("load", 1, "prefetch"),
+        ("load", 0, "prefetch"), ("load", 0, "prefetch"),
+    ], off.log  # fmt: skip
+
+
 def test_offloading_one_backward_over_two_forwards() -> None:
     """Two forwards, then one backward over both (two micro-batches' losses summed): gradients equal the
     plain model's, every stored input comes back once (a used one was prefetched again, and its device

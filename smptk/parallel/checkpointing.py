@@ -220,7 +220,8 @@ class ActivationOffloader:
         if not isinstance(away, _Offloaded):
             return away
         self._load(away, "on demand")
-        for unit in range(away.unit - 1, away.unit - self.horizon, -1):  # the units backward reaches next
+        # then the rest of this unit's tensors (backward reads them next), then the units it reaches after
+        for unit in range(away.unit, away.unit - self.horizon, -1):
             for ahead in self._away.get(unit, []):
                 self._load(ahead, "prefetch")
         t = away.back
