@@ -19,15 +19,16 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
-- ``meta_tp2_llama``, ``meta_ep2_mixtral``: the big-model flow: built under ``torch.device("meta")``,
+- ``meta_tp2_llama``, ``meta_ep2_mixtral``, ``meta_dp2_tied_llama`` (tied embeddings, whose saved
+  state dict has no ``lm_head.weight``): the big-model flow: built under ``torch.device("meta")``,
   transformed, materialized, then ``load_hf_state_dict`` with rank 0's Hugging Face state dict (the
   rotary tables recomputed): every parameter, the logits and the loss equal the Hugging Face model's.
 - (4 ranks) ``tp2_dp2_sp_llama``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing;
   ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
   of each tp group. The two ranks of a tp group feed one batch.
-- ``bad_input``: heads not divisible by tp, tied embeddings under tp, an attention parameter with no
-  tensor-parallel split, sequence parallelism with MoE, without a head, on an odd sequence or not a
-  bool, an unsupported architecture,
+- ``bad_input``: heads not divisible by tp, tied embeddings or attention dropout under tp, an attention
+  parameter with no tensor-parallel split, sequence parallelism with MoE, without a head, on an odd
+  sequence, with logits_to_keep or output_hidden_states, or not a bool, an unsupported architecture,
   expert parallelism on a dense model, config and state together; sizes that do not split (an MLP width or
   a vocabulary over tp, experts over ep) refused with the model and its config left as they were.
 """
@@ -204,18 +205,22 @@ def _train(
         _close(problems, f"{name} after 2 steps", got[name], p)
 
 
-def _meta_load(problems: list[str], kind: str, config: dict) -> None:
+def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> None:
     """Build on meta, transform, materialize, load rank 0's Hugging Face state dict: the model then
-    computes what the Hugging Face model computes (logits and loss), after one step too."""
+    computes what the Hugging Face model computes (logits and loss), after one step too. With tied
+    embeddings the state dict is a saved one's: no ``lm_head.weight`` (save_pretrained writes it once)."""
     import smptk.parallel as sp
 
-    ref = build(kind)
+    ref = build(kind, **overrides)
     with torch.device("meta"):
-        meta = build(kind)
+        meta = build(kind, **overrides)
     state = sp.init({"mixed_precision": "fp32", **config})
     module, _ = sp.transform(meta, state=state)
     sp.materialize(module, state, allow_uninitialized=True)  # HF's norms have no reset_parameters
-    sp.load_hf_state_dict(module, ref.state_dict() if dist.get_rank() == 0 else None)
+    saved = ref.state_dict()
+    if overrides.get("tie_word_embeddings"):
+        del saved["lm_head.weight"]
+    sp.load_hf_state_dict(module, saved if dist.get_rank() == 0 else None)
     ids = _batch(0, 0)
     out, want = module(ids, labels=ids), ref(ids, labels=ids)
     _close(problems, "logits after load", out.logits, want.logits)
@@ -227,6 +232,15 @@ def _meta_load(problems: list[str], kind: str, config: dict) -> None:
 
 def _odd_sequence(model) -> None:
     model(torch.zeros(1, SEQ, dtype=torch.int64))  # SEQ is odd
+
+
+def _sp_call(**kwargs):
+    import smptk.parallel as sp
+
+    model = sp.transform(
+        build("llama"), {"mixed_precision": "fp32", "tensor_parallel_degree": 2}, sequence_parallel=True
+    )
+    return model[0](torch.zeros(1, SEQ + 1, dtype=torch.int64), **kwargs)  # an even length
 
 
 def _with_sinks(model):
@@ -259,6 +273,11 @@ def _bad_input(problems: list[str]) -> None:
         (lambda: _odd_sequence(sp.transform(build("llama"), tp2, sequence_parallel=True)[0]),
          ValueError, "divisible by tensor_parallel_degree 2"),
         (lambda: sp.transform(build("llama"), tp2, sequence_parallel="yes"), TypeError, "sequence_parallel"),
+        # Hugging Face slices logits_to_keep positions of this rank's sequence block; hidden states are split
+        (lambda: _sp_call(logits_to_keep=1), ValueError, "logits_to_keep=1 under sequence_parallel"),
+        (lambda: _sp_call(output_hidden_states=True), ValueError, "output_hidden_states under sequence_para"),
+        (lambda: sp.transform(build("llama", attention_dropout=0.1), tp2),
+         NotImplementedError, "config.attention_dropout 0.1 under tensor_parallel_degree 2"),
         (lambda: sp.transform(build("llama"), {**fp32, "expert_parallel_degree": 2}),
          ValueError, "has no MoE layers"),
         (lambda: sp.transform(build("llama"), fp32, state=sp.current()), ValueError, "at most one"),
@@ -316,6 +335,7 @@ CASES = {
     ),
     "meta_tp2_llama": lambda p: _meta_load(p, "llama", {"tensor_parallel_degree": 2}),
     "meta_ep2_mixtral": lambda p: _meta_load(p, "mixtral", {"expert_parallel_degree": 2}),
+    "meta_dp2_tied_llama": lambda p: _meta_load(p, "llama", {}, tie_word_embeddings=True),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
     "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
     # with Hugging Face's load-balancing loss: moe_aux_loss on each rank's tokens, as the stock model's

@@ -49,7 +49,10 @@ current one), in the order a model is prepared:
 Checked up front, with the numbers in the message: the architecture, heads and KV heads divisible by the
 tensor-parallel degree (a split inside a head would be silently wrong), the MLP width, tied embeddings
 under tensor parallelism (not supported: the two layers would stop sharing one tensor), router jitter
-noise, non-SiLU experts.
+noise, non-SiLU experts, attention dropout under tensor parallelism (Hugging Face's masks come from the
+global generator, the same on every tp rank). Under tensor parallelism ``output_attentions`` returns each
+rank's own heads; under sequence parallelism a call with ``logits_to_keep`` or ``output_hidden_states``
+raises (both would see this rank's block of the sequence only).
 
 Example (every rank, under torchrun; tiny random model, no download)::
 
@@ -146,6 +149,14 @@ def _check(model: nn.Module, state: ParallelState) -> tuple[str, Any]:
                     f"{arch}: config.{key} {value} is not divisible by tensor_parallel_degree {tp} "
                     "(each rank computes whole heads)"
                 )
+        if getattr(cfg, "attention_dropout", 0.0):
+            raise NotImplementedError(
+                f"{arch}: config.attention_dropout {cfg.attention_dropout} under tensor_parallel_degree "
+                f"{tp}: Hugging Face's attention draws its dropout masks from torch's global generator, "
+                "the same on every tp rank, so heads on different ranks would share masks; set "
+                "config.attention_dropout = 0 (every supported checkpoint's value) or use "
+                "tensor_parallel_degree 1"
+            )
         if getattr(cfg, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is not None:
             raise NotImplementedError(
                 f"{arch}: tie_word_embeddings under tensor_parallel_degree {tp} is not supported (the "
@@ -363,6 +374,32 @@ def _split_sequence_hook(group: Any, tp: int, rank: int):
     return hook
 
 
+def _sequence_parallel_call_hook(config: Any):
+    """The pre-hook of a model transformed with sequence parallelism: refuse what would see only this
+    rank's block of the sequence. Hugging Face slices ``hidden_states[:, -logits_to_keep:]`` between the
+    final norm (sequence-split) and the head (which gathers): each rank would keep the last positions of
+    its own block. Hidden states returned by ``output_hidden_states`` are this rank's block too."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        keep = kwargs.get("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            raise ValueError(
+                f"logits_to_keep={keep!r} under sequence_parallel: Hugging Face slices the positions before "
+                "the head gathers the sequence, so each rank would keep the last ones of its own block; "
+                "pass 0 and slice the logits, or transform without sequence_parallel"
+            )
+        wanted = kwargs.get("output_hidden_states")
+        if wanted is None:
+            wanted = getattr(config, "output_hidden_states", False)
+        if wanted:
+            raise ValueError(
+                "output_hidden_states under sequence_parallel: the layers' hidden states are split along "
+                "the sequence (each rank holds 1 / tp of it); transform without sequence_parallel for them"
+            )
+
+    return hook
+
+
 _TRANSFORMED = "_smptk_transformed"  # set on a model transform has converted
 
 
@@ -481,6 +518,7 @@ def transform(
     layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
     checkpointed = apply_activation_checkpointing(model, state, modules=layers)  # and use_cache=False
     if sp:  # after the checkpoint's own hooks: a recompute runs the layer's hooks again, on its input
+        model.register_forward_pre_hook(_sequence_parallel_call_hook(cfg), with_kwargs=True)
         group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
         base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)
         for layer in base.layers:
@@ -555,6 +593,13 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     from smptk.parallel.dcp import load_full_state_dict
 
     mapped = smptk_layout(hf_state) if isinstance(hf_state, Mapping) else None
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    embed_key = "model.embed_tokens.weight"
+    if mapped is not None and tied and "lm_head.weight" not in mapped and embed_key in mapped:
+        # save_pretrained writes a tied head's weight once, as the embedding's: the strict load names both
+        mapped["lm_head.weight"] = mapped[embed_key]
     load_full_state_dict(model, mapped, strict=True)
     _refill_rotary(model)
 
