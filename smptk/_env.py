@@ -324,9 +324,10 @@ def current_sm_clock_mhz(nvml_index: int) -> int | None:
 
     Benchmarks sample it right after their timed rounds, so a throttled GPU shows in the row.
 
-    Example::
+    Example (the value of an H100 SXM under load, its top boost clock: other GPUs read other clocks, and
+    a machine without NVML reads None)::
 
-        >>> current_sm_clock_mhz(0)  # on an H100 under load
+        >>> current_sm_clock_mhz(0)  # an H100's; needs an NVIDIA GPU  # doctest: +SKIP
         1980
     """
     try:

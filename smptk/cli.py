@@ -156,9 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     With no subcommand it prints the help to stderr and returns 2.
 
-    Example::
+    Example (it prints what ``smptk info --json`` prints, then returns the exit status)::
 
-        >>> main(["info", "--json"])  # prints {"smptk": "0.1.0", ...}
+        >>> main(["info", "--json"])   # one JSON object, sorted keys: "cpu_count", "cuda", ... "world_size"
+        {
+          "cpu_count": ...,
+          "world_size": ...
+        }
         0
     """
     parser = _build_parser()

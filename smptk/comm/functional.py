@@ -70,6 +70,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from smptk.comm import collectives
 from smptk.kernels._dispatch import dispatcher_op, first_derivative_only
 
+__all__ = [
+    "GroupLike",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "copy_to_group",
+    "reduce_from_group",
+    "reduce_scatter",
+    "resolve_group",
+    "saved_as_shard",
+]
+
 OPS = ("sum", "avg", "max", "min")
 
 GroupLike = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str | int] | None  # see resolve_group
@@ -462,6 +474,19 @@ def copy_to_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None = No
 
     The entry into a region where each rank computes a different part from the same, replicated ``x``
     (a column-parallel linear's input): ``x``'s gradient is the sum of every rank's part.
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import copy_to_group
+        >>> dist.init_process_group("gloo")
+        >>> w = torch.full((3, 4), float(dist.get_rank() + 1), requires_grad=True)  # this rank's 3 rows
+        >>> x = torch.ones(2, 4, requires_grad=True)           # the same input on every rank
+        >>> y = copy_to_group(x, None) @ w.T                   # [2, 3]: this rank's output columns
+        >>> y.sum().backward()
+        >>> x.grad.tolist()    # summed over the ranks: 3 * 1 + 3 * 2, not this rank's 3 * (rank + 1)
+        [[9.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]]
     """
     return _CopyToGroup.apply(_check_x(x), resolve_group(group), max_sms)
 
@@ -471,6 +496,20 @@ def reduce_from_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None 
 
     The exit from a tensor-parallel region (a row-parallel linear's partial outputs): what follows is
     replicated on every rank, so every rank holds the whole gradient already and passes it through.
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import reduce_from_group
+        >>> dist.init_process_group("gloo")
+        >>> part = torch.full((2, 3), float(dist.get_rank() + 1), requires_grad=True)  # a partial sum
+        >>> y = reduce_from_group(part, None)      # None: the default group; a mesh dim works too
+        >>> y.tolist()                             # every rank: 1 + 2
+        [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
+        >>> y.sum().backward()
+        >>> part.grad.tolist()   # identity backward: the replicated loss counts once, not once per rank
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
     """
     return _ReduceFromGroup.apply(_check_x(x), resolve_group(group), max_sms)
 

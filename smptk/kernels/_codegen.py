@@ -77,10 +77,28 @@ def compiled_facts(compiled: Any) -> dict[str, Any] | None:
     spills go: 0 for a kernel that does not spill), as the driver reports them (Triton keeps the local size
     in 4-byte words, ``n_spills``). None without PTX (an interpreted kernel compiles nothing).
 
-    Example (on a GPU)::
+    Example (on a GPU, with one of smptk's kernels; a Triton launch returns what it compiled)::
 
-        >>> compiled = my_kernel[(1,)](x)  # a Triton launch returns what it compiled
-        >>> compiled_facts(compiled)["v128_loads"]
+        >>> import torch
+        >>> from smptk.kernels import _moe_dispatch_kernels as K  # needs CUDA  # doctest: +SKIP
+        >>> x = torch.randn(64, 256, device="cuda")  # needs CUDA  # doctest: +SKIP
+        >>> src, out = torch.arange(64, device="cuda"), torch.empty_like(x)  # needs CUDA  # doctest: +SKIP
+        >>> compiled = K._gather_rows_kernel[(2, 2)](  # out = x[src]; needs CUDA  # doctest: +SKIP
+        ...     x, src, out, 64, 256, x.stride(0), x.stride(1), BLOCK_R=32, BLOCK_H=128)
+        >>> facts = compiled_facts(compiled)  # needs CUDA  # doctest: +SKIP
+        >>> facts["target"], facts["v128_loads"], facts["registers"]  # needs CUDA  # doctest: +SKIP
+
+    Anything with the attributes of Triton's ``CompiledKernel`` will do, so it runs without a GPU too
+    (here a stand-in with one line of PTX)::
+
+        >>> import types
+        >>> ptx = ".target sm_90a\\nld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];"
+        >>> stand_in = types.SimpleNamespace(asm={"ptx": ptx}, n_regs=32, n_spills=0)
+        >>> facts = compiled_facts(stand_in)
+        >>> facts["target"], facts["v128_loads"], facts["registers"], facts["local_bytes"]
+        ('sm_90a', 1, 32, 0)
+        >>> compiled_facts(None) is None  # what an interpreted launch returns: it compiled nothing
+        True
     """
     asm = getattr(compiled, "asm", None)
     ptx = asm.get("ptx") if isinstance(asm, dict) else None

@@ -72,13 +72,14 @@ them past 2^31); indices derived from their int64 results stay int64, loaded ind
 and loops over slots step 64-bit pointers instead of multiplying ``j * stride``. (Each helper call costs
 the interpreter ~2 ms, so they sit outside the inner loops.)
 
-Example::
+Example (on a GPU; the CPU examples are :func:`moe_dispatch`'s, :func:`moe_combine`'s and
+:class:`MoEDispatchPlan`'s)::
 
-    >>> x = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
-    >>> ids = torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0]], device="cuda")
-    >>> x_grouped, plan = moe_dispatch(x, ids, 3)        # [8, 16], plan.offsets = [0, 3, 5, 8]
-    >>> out = moe_combine(x_grouped, plan, torch.ones(4, 2, device="cuda"))
-    >>> torch.equal(out, 2 * x)
+    >>> x = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)  # needs CUDA  # doctest: +SKIP
+    >>> ids = torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0]], device="cuda")  # needs CUDA  # doctest: +SKIP
+    >>> x_grouped, plan = moe_dispatch(x, ids, 3)  # [8, 16]; offsets [0, 3, 5, 8]; CUDA  # doctest: +SKIP
+    >>> out = moe_combine(x_grouped, plan, torch.ones(4, 2, device="cuda"))  # needs CUDA  # doctest: +SKIP
+    >>> torch.equal(out, 2 * x)  # needs CUDA  # doctest: +SKIP
     True
 """
 
@@ -146,6 +147,21 @@ class MoEDispatchPlan:
         num_dropped: pairs dropped by the capacity (a Python int; 0 without a capacity).
         capacity: C, or None without ``capacity_factor``.
         top_k: k. num_experts: E.
+
+    Example (the module docstring's worked example, with ``capacity_factor=0.5``: C = 2)::
+
+        >>> import torch
+        >>> from smptk.kernels import moe_dispatch
+        >>> ids = torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0]])    # moe_route's expert_ids: T 4, k 2, E 3
+        >>> x_grouped, plan = moe_dispatch(torch.zeros(4, 8), ids, 3, capacity_factor=0.5)
+        >>> plan.capacity, plan.num_dropped, plan.num_tokens, plan.num_rows
+        (2, 2, 4, 6)
+        >>> plan.offsets.tolist(), plan.tokens_per_expert.tolist()   # expert e: rows offsets[e]:offsets[e+1]
+        ([0, 2, 4, 6], [2, 2, 2])
+        >>> plan.dest.tolist()                  # the grouped row of pair (t, j); -1: dropped
+        [[0, 4], [5, 2], [1, 3], [-1, -1]]
+        >>> plan.source_token.tolist(), plan.source_pair.tolist()   # per grouped row
+        ([0, 2, 1, 2, 0, 1], [0, 4, 3, 5, 1, 2])
     """
 
     offsets: torch.Tensor

@@ -57,13 +57,14 @@ The kernels live in ``_moe_route_kernels.py``, imported with triton on the first
 ``_triton.py``); this file holds their tunables and launchers, the checks, the autograd wiring and the
 PyTorch path.
 
-Example::
+Example (on a GPU; the CPU examples are :func:`moe_route`'s and :class:`MoERouting`'s)::
 
-    >>> logits = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    >>> r = moe_route(logits, 8)
-    >>> r.weights.shape, r.expert_ids.dtype, int(r.tokens_per_expert.sum())
+    >>> logits = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16,  # needs CUDA  # doctest: +SKIP
+    ...                      requires_grad=True)
+    >>> r = moe_route(logits, 8)  # needs CUDA  # doctest: +SKIP
+    >>> r.weights.shape, r.expert_ids.dtype, int(r.tokens_per_expert.sum())  # needs CUDA  # doctest: +SKIP
     (torch.Size([4096, 8]), torch.int32, 32768)
-    >>> (r.aux_loss * 1e-2 + r.z_loss * 1e-3).backward()
+    >>> (r.aux_loss * 1e-2 + r.z_loss * 1e-3).backward()  # needs CUDA  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -112,7 +113,24 @@ def _blocks(E: int, b: dict[str, int] | None = None) -> dict[str, int]:
 
 
 class MoERouting(NamedTuple):
-    """What :func:`moe_route` returns (see the module docstring for the definitions)."""
+    """What :func:`moe_route` returns (see the module docstring for the definitions).
+
+    Example (the module docstring's worked example)::
+
+        >>> import torch
+        >>> from smptk.kernels import moe_route
+        >>> logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 1.0, 2.0], [1.0, 1.0, 0.0], [1.0, 0.0, 3.0]],
+        ...                       requires_grad=True)
+        >>> r = moe_route(logits, 2)
+        >>> r._fields
+        ('weights', 'expert_ids', 'tokens_per_expert', 'aux_loss', 'z_loss')
+        >>> weights, expert_ids, tokens_per_expert, aux_loss, z_loss = r  # a tuple: it unpacks
+        >>> weights.shape, expert_ids.dtype, tokens_per_expert.tolist(), round(z_loss.item(), 4)
+        (torch.Size([4, 2]), torch.int32, [3, 2, 3], 6.277)
+        >>> (r.aux_loss * 1e-2 + r.z_loss * 1e-3).backward()   # the losses are differentiable in logits
+        >>> logits.grad.shape
+        torch.Size([4, 3])
+    """
 
     weights: torch.Tensor  # [T, k] fp32
     expert_ids: torch.Tensor  # [T, k] int32

@@ -508,7 +508,23 @@ def current() -> ParallelState:
 
 
 def is_initialized() -> bool:
-    """True between :func:`init` and :func:`reset`."""
+    """True between :func:`init` and :func:`reset`.
+
+    Example (one process; under torchrun every rank runs the same lines without the store arguments)::
+
+        >>> import torch.distributed as dist
+        >>> from smptk.parallel import init, is_initialized, reset
+        >>> is_initialized()
+        False
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> _ = init({"tensor_parallel_degree": 1})
+        >>> is_initialized()
+        True
+        >>> reset()                                 # the process group stays: it is torch's
+        >>> is_initialized(), dist.is_initialized()
+        (False, True)
+        >>> dist.destroy_process_group()
+    """
     return _state is not None
 
 

@@ -252,6 +252,23 @@ def checkpoint_keys(path: str | os.PathLike) -> list[str]:
     """The flattened keys a checkpoint holds (``model.<name>``, ``optim.state.<name>.<field>``, ``step``).
 
     Reads only the ``.metadata`` file; FileNotFoundError names ``path`` when there is none.
+
+    Example (one process, no process group; under torchrun every rank may call it)::
+
+        >>> import tempfile
+        >>> import torch
+        >>> from smptk.parallel import checkpoint_keys, save_checkpoint
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> opt.step()                                      # the optimizer now has state to save
+        >>> with tempfile.TemporaryDirectory() as path:
+        ...     save_checkpoint(path, model, opt, step=1)
+        ...     keys = checkpoint_keys(path)
+        >>> sorted(k for k in keys if not k.startswith("optim.param_groups."))  # and a key per group option
+        ['model.bias', 'model.weight', 'optim.state.bias.exp_avg', 'optim.state.bias.exp_avg_sq',
+         'optim.state.bias.step', 'optim.state.weight.exp_avg', 'optim.state.weight.exp_avg_sq',
+         'optim.state.weight.step', 'step']
     """
     path = _check_path(path)
     from torch.distributed.checkpoint import FileSystemReader
@@ -523,9 +540,25 @@ def get_full_state_dict(
     """``{"model": ..., "optim": ...}`` with every tensor whole, and a copy: none shares memory with the
     live model or optimizer (collective).
 
-    With ``rank0_only`` (default) only rank 0 gets the tensors, on CPU, and the others an empty dict
-    each, so one host's memory holds one copy (what :func:`load_full_state_dict` takes back); False
-    gives them to every rank (the tensors then stay on the parameters' device).
+    With ``rank0_only`` (default) only rank 0 gets the tensors, on CPU, and the others the same keys
+    without tensors (``{"model": {}, "optim": {"state": {}}}``), so one host's memory holds one copy
+    (what :func:`load_full_state_dict` takes back); False gives them to every rank (the tensors then stay
+    on the parameters' device).
+
+    Example (one process, no process group; under torchrun every rank calls it, and with the default
+    ``rank0_only`` rank 0 gets what is shown here, the other ranks no tensors: ``full["model"] == {}``)::
+
+        >>> import torch
+        >>> from smptk.parallel import get_full_state_dict
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> full = get_full_state_dict(model, opt)
+        >>> sorted(full), sorted(full["model"]), full["model"]["weight"].shape
+        (['model', 'optim'], ['bias', 'weight'], torch.Size([2, 4]))
+        >>> with torch.no_grad():
+        ...     _ = model.weight.add_(1.0)                 # training goes on...
+        >>> torch.equal(full["model"]["weight"], model.weight)   # ...the snapshot is a copy
+        False
     """
     _check_model_optimizer(model, optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions

@@ -121,6 +121,27 @@ class DataParallelUnit:
             ``smptk.comm.last_path()`` reported after each ("symmetric", "copy_engine", or
             "torch.distributed:<backend>" where a call fell back). Empty for torch's collectives, which
             are not counted.
+
+    Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU, where
+    smptk's collectives run on the symmetric heap's CPU backend)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> state = sp.init({"mixed_precision": "fp32"})
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> model, report = sp.apply_data_parallel(model, state)
+        >>> model(torch.randn(3, 8)).sum().backward()      # one step: the units' collectives run
+        >>> unit = report.units[1]                          # the first Linear: 8 * 16 + 16 parameters
+        >>> print(unit.describe())     # all-gathered in forward and again in backward, reduce-scattered once
+        0 (fsdp2, 144 parameters)
+          all-gather: smptk all-gather (max_sms=8); ran 2 x symmetric float32
+          reduce-scatter: smptk reduce-scatter (max_sms=8); ran 1 x symmetric float32
+          all-reduce: none (no dp_replicate dim)
+        >>> unit.calls[("all-gather", "symmetric", "float32")]
+        2
     """
 
     name: str
@@ -160,6 +181,23 @@ class DataParallelReport:
         heap_bytes: bytes of the symmetric heap each rank maps for the group smptk's collectives use
             (``smptk.comm``'s ``heap_bytes``; one heap per group), 0 when they are not used.
         units: one :class:`DataParallelUnit` per unit, bottom-up, the root last.
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU without ``TRITON_INTERPRET``,
+    so torch's collectives serve the units, and the report says why)::
+
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> state = sp.init({"mixed_precision": "fp32"})    # tp 1, dp 2, hybrid_shard_degree 0
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> model, report = sp.apply_data_parallel(model, state)
+        >>> report.mode, report.engine, report.sizes
+        ('full_shard', 'fsdp2', {'dp_replicate': 1, 'dp_shard': 2, 'tp': 1})
+        >>> [unit.name for unit in report.units]   # the children with parameters, then the root ("")
+        ['2', '0', '']
+        >>> report.smptk_collectives, report.reason
+        (False, "CPU tensors take smptk's heap only under TRITON_INTERPRET=1 (its CPU backend)")
     """
 
     mode: str

@@ -102,6 +102,23 @@ class GroupedExperts(nn.Module):
 
     Args:
         num_experts: E. hidden_size: H. ffn_hidden_size: F. device, dtype: of the parameters.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from smptk.parallel import GroupedExperts
+        >>> _ = torch.manual_seed(0)
+        >>> experts = GroupedExperts(num_experts=3, hidden_size=4, ffn_hidden_size=8)
+        >>> experts.reset_parameters()              # the weights start uninitialized (torch.empty)
+        >>> experts.w_gate.shape, experts.w_down.shape
+        (torch.Size([3, 8, 4]), torch.Size([3, 4, 8]))
+        >>> x_grouped = torch.randn(5, 4)               # rows already grouped by expert (moe_dispatch)
+        >>> y = experts(x_grouped, torch.tensor([2, 0, 3]))  # expert 0: rows 0-1, 1: none, 2: rows 2-4
+        >>> x2 = x_grouped[2:]
+        >>> swiglu = (F.silu(x2 @ experts.w_gate[2].T) * (x2 @ experts.w_up[2].T)) @ experts.w_down[2].T
+        >>> y.shape, torch.allclose(y[2:], swiglu, atol=1e-6)
+        (torch.Size([5, 4]), True)
     """
 
     def __init__(
@@ -235,7 +252,7 @@ class MoE(nn.Module):
 
     Example::
 
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> moe = MoE(64, 128, num_experts=8, top_k=2, num_shared_experts=1, capacity_factor=1.25)
         >>> y = moe(torch.randn(32, 64))
         >>> moe.last_plan.num_dropped   # pairs past an expert's capacity (C = 10 here), for this seed

@@ -75,7 +75,20 @@ def grouped_linear_reference(
 
 
 def grouped_swiglu_reference(x: Tensor, weight_gate: Tensor, weight_up: Tensor, offsets) -> Tensor:
-    """``silu(x_e @ weight_gate[e].T) * (x_e @ weight_up[e].T)`` per expert, in float32; ``[T, N]``."""
+    """``silu(x_e @ weight_gate[e].T) * (x_e @ weight_up[e].T)`` per expert, in float32; ``[T, N]``.
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.testing import grouped_swiglu_reference
+        >>> x = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+        >>> w_gate = torch.stack([torch.eye(2), torch.eye(2)])      # E = 2: g = x for both experts
+        >>> w_up = torch.stack([torch.eye(2), 2 * torch.eye(2)])    # expert 1: u = 2 x
+        >>> grouped_swiglu_reference(x, w_gate, w_up, [0, 1, 3])  # expert 0: row 0; expert 1: rows 1, 2
+        tensor([[0.7311, 0.0000],
+                [0.0000, 7.0464],
+                [1.4621, 1.4621]])
+    """
     return _per_expert(x, offsets, lambda e, xe: swiglu_reference(xe, weight_gate[e], weight_up[e]))
 
 
@@ -100,7 +113,26 @@ def grouped_linear_error_scales(
     grad_out: Tensor | None = None,
 ) -> dict[str, ErrorScale]:
     """:func:`~smptk.testing.linear_error_scales` per expert: ``"out"`` ``[T, N]``, and with ``grad_out``
-    also ``"x"`` ``[T, K]``, ``"weight"`` ``[E, N, K]`` and ``"bias"`` ``[E, N]`` (with a bias)."""
+    also ``"x"`` ``[T, K]``, ``"weight"`` ``[E, N, K]`` and ``"bias"`` ``[E, N]`` (with a bias).
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.testing import assert_close, grouped_linear_error_scales, grouped_linear_reference
+        >>> x = torch.ones(3, 2)
+        >>> w = torch.stack([torch.eye(2), 2 * torch.eye(2)])  # E = 2; expert 0: row 0, expert 1: rows 1, 2
+        >>> s = grouped_linear_error_scales(x, w, [0, 1, 3], grad_out=torch.ones(3, 2))
+        >>> sorted(s), tuple(s["weight"].scale.shape)
+        (['out', 'weight', 'x'], (2, 2, 2))
+        >>> s["out"].scale      # each row its expert's scale: sqrt(x^2 @ w^2) + |z|
+        tensor([[2., 2.],
+                [4., 4.],
+                [4., 4.]])
+        >>> s["weight"].reduction_len   # the largest expert's rows (2) + K (2), not T + K
+        4
+        >>> ref = grouped_linear_reference(x, w, [0, 1, 3])
+        >>> assert_close(ref.half(), ref, dtype=torch.float16, name="out", **s["out"]._asdict())
+    """
     bounds = expert_bounds(offsets, x.shape[0])
     per_expert = [
         linear_error_scales(
@@ -119,7 +151,19 @@ def grouped_swiglu_error_scales(
     x: Tensor, weight_gate: Tensor, weight_up: Tensor, offsets, grad_out: Tensor | None = None
 ) -> dict[str, ErrorScale]:
     """:func:`~smptk.testing.swiglu_error_scales` per expert: ``"out"``, and with ``grad_out`` also ``"x"``,
-    ``"weight_gate"`` and ``"weight_up"`` (``[E, N, K]``)."""
+    ``"weight_gate"`` and ``"weight_up"`` (``[E, N, K]``).
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.testing import grouped_swiglu_error_scales
+        >>> x = torch.ones(3, 2)
+        >>> w_gate = torch.stack([torch.eye(2), torch.eye(2)])      # E = 2, N = K = 2
+        >>> w_up = torch.stack([torch.eye(2), 2 * torch.eye(2)])
+        >>> s = grouped_swiglu_error_scales(x, w_gate, w_up, [0, 1, 3], grad_out=torch.ones(3, 2))
+        >>> {name: (e.reduction_len, tuple(e.scale.shape)) for name, e in s.items()}  # x: 2N + K
+        {'out': (2, (3, 2)), 'x': (6, (3, 2)), 'weight_gate': (4, (2, 2, 2)), 'weight_up': (4, (2, 2, 2))}
+    """
     bounds = expert_bounds(offsets, x.shape[0])
     per_expert = [
         swiglu_error_scales(x[a:b], weight_gate[e], weight_up[e], None if grad_out is None else grad_out[a:b])

@@ -11,9 +11,20 @@ routing weights. Shared experts add ``(silu(x @ shared_gate.T) * (x @ shared_up.
 
 Example::
 
-    >>> y, aux = moe_layer_reference(x, router_weight, w_gate, w_up, w_down, top_k=2)
-    >>> y.dtype
-    torch.float32
+    >>> import torch
+    >>> from smptk.testing import moe_layer_reference
+    >>> _ = torch.manual_seed(0)
+    >>> T, H, F, E = 4, 8, 16, 4                  # tokens, hidden, expert MLP width, experts
+    >>> x, router_weight = torch.randn(T, H), torch.randn(E, H)
+    >>> w_gate, w_up, w_down = torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F)
+    >>> y, aux = moe_layer_reference(x, router_weight, w_gate, w_up, w_down, top_k=2, aux_loss_coef=0.01)
+    >>> y.shape, y.dtype, aux.shape
+    (torch.Size([4, 8]), torch.float32, torch.Size([]))
+    >>> y1, _ = moe_layer_reference(x, router_weight, w_gate, w_up, w_down, top_k=1)
+    >>> e = int((x[0] @ router_weight.T).argmax())   # top-1: token 0 goes to its best expert, weight 1
+    >>> mlp = (torch.nn.functional.silu(x[0] @ w_gate[e].T) * (x[0] @ w_up[e].T)) @ w_down[e].T
+    >>> torch.allclose(y1[0], mlp)
+    True
 """
 
 from __future__ import annotations

@@ -147,7 +147,18 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """``bound = rtol * |expected| + scale_coef * scale + atol`` element by element (see module doc)."""
+    """``bound = rtol * |expected| + scale_coef * scale + atol`` element by element (see module doc).
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.testing import tolerance
+        >>> tol = tolerance(torch.bfloat16, reduction_len=64, roundings=1)
+        >>> tol.rtol == 2**-8, tol.describe()   # scale_coef = C * (sqrt(64) * u_32 + 1 * u_bf16)
+        (True, '0.00391*|expected| + 0.0234*scale + 9.18e-41')
+        >>> tol.bound(torch.tensor([1.0, -4.0]), scale=2.0)   # the allowed |error|, element by element
+        tensor([0.0508, 0.0625])
+    """
 
     dtype: torch.dtype
     reduction_len: int
@@ -269,7 +280,21 @@ def assert_close(
 
 
 class ErrorScale(NamedTuple):
-    """What :func:`assert_close` needs for one compared tensor besides the values."""
+    """What :func:`assert_close` needs for one compared tensor besides the values.
+
+    Its fields are :func:`assert_close`'s keyword arguments of the same names.
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.testing import assert_close, linear_error_scales, linear_reference
+        >>> x, w = torch.ones(2, 3), torch.ones(4, 3)
+        >>> s = linear_error_scales(x, w)["out"]
+        >>> s.reduction_len, s.roundings, round(s.scale[0, 0].item(), 3)   # K; r; sqrt(3) + |z| = sqrt(3) + 3
+        (3, 1, 4.732)
+        >>> y = x.half() @ w.half().T                   # the op computed in fp16
+        >>> assert_close(y, linear_reference(x, w), dtype=torch.float16, name="out", **s._asdict())
+    """
 
     reduction_len: int
     scale: Tensor

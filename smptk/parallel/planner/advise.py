@@ -95,7 +95,23 @@ class StepTime:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One configuration: the config, micro-batch and accumulation, its memory and step time, and why it
-    was kept or rejected."""
+    was kept or rejected.
+
+    Example::
+
+        >>> from smptk.parallel.planner import advise
+        >>> adv = advise("llama2-7b", "p4d.24xlarge", nodes=1, seq_len=4096)
+        >>> best = adv.best                         # adv.candidates[0], the fastest that passed every rule
+        >>> best.label()
+        'tp 1 shard full ac none mb 1 x1'
+        >>> best.fits, best.global_batch_tokens, round(best.time.step_s, 2), round(best.mfu, 2)
+        (True, 32768, 0.94, 0.6)
+        >>> round(best.estimate.total_bytes / 2**30, 1)  # GiB per GPU (the MemoryEstimate behind it)
+        36.8
+        >>> rejected = adv.rejected[0]
+        >>> rejected.label(), rejected.fits, rejected.reason
+        ('tp 1 shard replicate ac none mb 1 x1', False, 'does not fit: 129.0 GiB of 39.5 GiB')
+    """
 
     config: ParallelConfig
     micro_batch: int
@@ -143,7 +159,23 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class Advice:
     """:attr:`candidates` ranked (fastest first), :attr:`rejected` with reasons, and when nothing fits,
-    :attr:`suggestions` of what would."""
+    :attr:`suggestions` of what would.
+
+    Example (Llama 2 70B does not fit on one node of 40 GB A100s)::
+
+        >>> from smptk.parallel.planner import advise
+        >>> adv = advise("llama2-70b", "p4d.24xlarge", nodes=1, seq_len=4096)
+        >>> adv.best, len(adv.candidates), len(adv.rejected)
+        (None, 0, 200)
+        >>> for suggestion in adv.suggestions:
+        ...     print(suggestion)
+        the smallest configuration (full sharding, the largest tp, full checkpointing + offloading,
+        micro-batch 1) needs 136.5 GiB per GPU; 39.5 GiB are available
+        4 nodes (32 GPUs) would fit: 35.3 GiB per GPU
+        a larger GPU: 1 x gb200-nvl72 = 72 GPUs (B200 (GB200)) would fit: 16.7 GiB per GPU
+        >>> advise("llama2-70b", "p4d.24xlarge", nodes=4, seq_len=4096).best.label()  # taking the advice
+        'tp 8 sp shard full ac full+offload mb 8 x1'
+    """
 
     model: ModelSpec
     cluster: Cluster
@@ -218,7 +250,19 @@ def step_time(
     compute_efficiency: float = 0.6,
 ) -> StepTime:
     """Predicted time of one step (``grad_accum`` micro-batches of ``micro_batch`` sequences per
-    data-parallel rank); see the module docstring for the model and its assumptions."""
+    data-parallel rank); see the module docstring for the model and its assumptions.
+
+    Example::
+
+        >>> from smptk.parallel.planner import step_time
+        >>> t = step_time("llama2-7b", {"hybrid_shard_degree": 0}, "p4d.24xlarge", seq_len=4096)
+        >>> t.describe()   # FSDP2's collectives hide under compute: MFU = compute_efficiency (0.6)
+        'step 0.94 s (compute 0.94, dp comm 0.16 overlapped, tp 0.00 + ep 0.00 exposed), MFU 60%'
+        >>> t = step_time("llama2-7b", {"tensor_parallel_degree": 2}, "p4d.24xlarge", seq_len=4096,
+        ...               micro_batch=2)
+        >>> round(t.tp_comm_s, 3), round(t.step_s, 2), round(t.mfu, 2)   # TP's collectives are exposed
+        (0.03, 0.97, 0.58)
+    """
     spec, cl = model_spec(model), _cluster(cluster)
     cfg = ParallelConfig.from_any(config if config is not None else {})
     sz = cfg.validate(cl.world_size)

@@ -55,7 +55,22 @@ class GPU:
 class Cluster:
     """``nodes`` x ``gpus_per_node`` GPUs. ``intra_node_gbps``: NVLink GB/s per GPU, each way;
     ``inter_node_gbps``: the node's network in Gbit/s (all its NICs; bits, as instances are sold);
-    latencies per message (alpha) in microseconds, within and between nodes."""
+    latencies per message (alpha) in microseconds, within and between nodes.
+
+    Example::
+
+        >>> from smptk.parallel.planner import cluster
+        >>> c = cluster("p5", nodes=4)              # a preset (CLUSTERS) by name or alias
+        >>> c.name, c.world_size, c.gpu.name
+        ('p5.48xlarge', 32, 'H100-SXM5-80GB')
+        >>> c.inter_node_bytes_per_gpu / 1e9       # GB/s: 3200 Gbit/s per node shared by its 8 GPUs
+        50.0
+        >>> print(c.describe())
+        p5.48xlarge: 4 x 8 H100-SXM5-80GB (80 GiB, 989 TFLOP/s bf16), NVLink 450 GB/s per GPU, network
+        3200 Gbps per node
+        >>> c.with_nodes(1).world_size
+        8
+    """
 
     name: str
     gpu: GPU

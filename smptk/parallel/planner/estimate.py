@@ -119,7 +119,19 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "transient", "co
 @dataclasses.dataclass(frozen=True)
 class MemoryTerm:
     """One line of the breakdown: ``bytes`` on the busiest GPU, its ``kind`` (:data:`KINDS`), and how
-    it was counted."""
+    it was counted.
+
+    Example::
+
+        >>> from smptk.parallel.planner import estimate_memory
+        >>> est = estimate_memory("llama2-7b", {"hybrid_shard_degree": 0}, seq_len=4096,
+        ...                       cluster="p4d.24xlarge")
+        >>> est.terms[0]   # 6.74B fp32 parameters sharded over 8 GPUs: 842,301,952 x 4 bytes
+        MemoryTerm(name='parameters (fp32 master)', bytes=3369207808, kind='parameters',
+                   detail='842,301,952 elements on rank 0 (tp 1, ep 1, dp_shard 8)')
+        >>> [t.name for t in est.terms if t.kind == "activations"]
+        ['activations: 32 dense blocks', 'activations: embedding, final norm, head, loss']
+    """
 
     name: str
     bytes: int
@@ -129,7 +141,27 @@ class MemoryTerm:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """The per-GPU bytes of one training step, term by term (see the module docstring)."""
+    """The per-GPU bytes of one training step, term by term (see the module docstring).
+
+    Example::
+
+        >>> from smptk.parallel.planner import estimate_memory
+        >>> est = estimate_memory("llama2-7b", {"hybrid_shard_degree": 0}, seq_len=4096,
+        ...                       cluster="p4d.24xlarge")
+        >>> est.engine, est.sizes["dp_shard"], len(est.terms)
+        ('fsdp2 full_shard', 8, 10)
+        >>> round(est.parameter_bytes / 2**30, 2), round(est.activation_bytes / 2**30, 2)  # GiB
+        (3.14, 19.32)
+        >>> round(est.total_bytes / 2**30, 2), est.fits(), est.fits(memory_bytes=24 * 2**30)
+        (36.79, True, False)
+        >>> print(est.table().splitlines()[0])    # est.table(): one row per term, then the total
+        llama2-7b on 8 GPUs: tp 1 x dp_shard 8 x dp_replicate 1, fsdp2 full_shard, seq 4096 x micro-batch 1,
+        checkpointing none
+        >>> config = {"hybrid_shard_degree": 0, "activation_checkpointing": "full"}
+        >>> full = estimate_memory("llama2-7b", config, seq_len=4096, cluster="p4d.24xlarge")
+        >>> round(full.activation_bytes / 2**30, 2)  # each block keeps only its input
+        1.55
+    """
 
     model: ModelSpec
     config: ParallelConfig

@@ -55,6 +55,19 @@ class ParamTensor:
     ``active``: the elements one token uses (experts: ``experts_per_token / num_experts`` of them);
     ``unit``: ``"layer"`` (inside a transformer block, FSDP2 unit per block) or ``"root"`` (embeddings,
     final norm, LM head: the root unit).
+
+    Example::
+
+        >>> from smptk.parallel.planner import model_spec
+        >>> spec = model_spec("mixtral-8x7b")
+        >>> experts = next(t for t in spec.tensors() if t.split == "experts")
+        >>> experts   # gate and up of 8 experts, stacked [E, F, H], in each of 32 layers: count 64
+        ParamTensor(name='moe.experts.w_gate_up', shape=(8, 14336, 4096), count=64, split='experts',
+                    tp_dim=None, unit='layer')
+        >>> experts.numel == 64 * 8 * 14336 * 4096
+        True
+        >>> sum(t.numel for t in spec.tensors()) == spec.num_parameters()
+        True
     """
 
     name: str
@@ -362,6 +375,18 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
 
     ``model_type`` picks the architecture (:data:`SUPPORTED_MODEL_TYPES`); the keys read are the ones each
     architecture's modeling code reads, with the same defaults.
+
+    Example (the keys of Llama 2 7B's ``config.json``; ``from_hf_config("path/to/checkpoint")`` reads the
+    file, ``from_hf_config(transformers.AutoConfig.from_pretrained(...))`` takes the config object)::
+
+        >>> from smptk.parallel.planner import from_hf_config
+        >>> config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+        ...           "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}
+        >>> spec = from_hf_config(config, name="my-llama")
+        >>> spec.num_parameters(), spec.num_kv_heads   # num_key_value_heads left out: one per head
+        (6738415616, 32)
+        >>> spec.describe()
+        'my-llama: 6.74B parameters, 32 layers, hidden 4096, GQA 32/32, dense, vocab 32000'
     """
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
