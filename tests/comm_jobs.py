@@ -984,6 +984,50 @@ def run_job(rank: int, world: int, families: tuple[str, ...] | None = None) -> d
     return outcomes
 
 
+# ------------------------------------------------------------------------------- the call check's race
+
+
+def peer_moves_on_while_read(rank: int, world: int) -> dict:
+    """Two identical calls on every rank (an all-gather, then an all-reduce of another size) while the
+    call check is made to read slowly: rank 1 pauses after the all-gather's first barrier, so rank 0 waits
+    for it in a later barrier and polls its announcement (``_differs``); rank 0 pauses between reading
+    rank 1's tag and its numel / chunk words, long enough for rank 1 to finish the all-gather and announce
+    the all-reduce. The words then belong to the next call: read against the earlier tag they made a
+    false CommMismatchError (seen as a flaky 4-rank test on a loaded machine). Returns what each rank
+    saw: its error (None) and how many slow reads it made."""
+    import smptk.kernels.collectives as K
+
+    comm.configure(max_sms=1, timeout_s=JOB_TIMEOUT_S, heap_bytes=HEAP_BYTES)
+    comm.all_reduce(torch.ones(4))  # the heap exists before the pauses start
+    slow_reads = []
+    if rank == 1:
+        verify = K._verify
+
+        def late_verify(*args, **kwargs):
+            time.sleep(1.0)
+            return verify(*args, **kwargs)
+
+        K._verify = late_verify  # the interpreter looks kernel helpers up at each call
+    else:
+        call_args = K._call_args
+
+        def slow_call_args(peer_call, zero):
+            if len(slow_reads) < 3:
+                slow_reads.append(1)
+                time.sleep(2.0)  # the tag was read; rank 1 finishes and announces its next call meanwhile
+            return call_args(peer_call, zero)
+
+        K._call_args = slow_call_args
+    out = torch.empty(world * 16, dtype=torch.int32)
+    error = None
+    try:
+        comm.all_gather_into_tensor(out, torch.full((16,), rank, dtype=torch.int32))
+        comm.all_reduce(torch.ones(7))
+    except comm.CommError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "slow_reads": len(slow_reads)}
+
+
 # --------------------------------------------------------------------------------- harness self-tests
 
 

@@ -177,6 +177,17 @@ def test_job_leaves_no_shm(world: int) -> None:
 # --------------------------------------------------------------------------------- the harness itself
 
 
+def test_a_peer_that_moves_on_during_the_call_check_is_no_mismatch() -> None:
+    """The call check reads a peer's tag, then its numel / chunk words: a peer that finished the call and
+    announced its next one in between made the words the next call's, and identical calls raised a false
+    CommMismatchError. The check now counts the words only when the tag, read again after them, is the
+    same (see comm_jobs.peer_moves_on_while_read for the pauses that open the window)."""
+    result = run_ranks("comm_jobs:peer_moves_on_while_read", 2, timeout_s=150)
+    result.raise_for_failure()
+    assert [v["error"] for v in result.values] == [None, None], result.values
+    assert result.values[0]["slow_reads"] > 0, "the window was never opened: rank 0 did not poll rank 1"
+
+
 def test_harness_reports_failing_rank_and_kills_its_peer() -> None:
     """Rank 1 raises while rank 0 waits for it inside a kernel: the job fails fast with rank 1's traceback,
     rank 0 is killed, and killing a rank mid-collective leaves nothing in /dev/shm."""

@@ -184,19 +184,32 @@ def _call_words(signal_W, q):
 
 
 @triton.jit
+def _call_args(peer_call, zero):
+    """The (numel, chunk) words of a peer's announced call, each read with acquire: every read after them
+    (the tag's second read in :func:`_differs`) stays after them."""
+    numel = tl.atomic_add(peer_call + 1, zero, sem="acquire", scope="sys")
+    chunk = tl.atomic_add(peer_call + 2, zero, sem="acquire", scope="sys")
+    return numel, chunk
+
+
+@triton.jit
 def _differs(peer_call, own_call):
     """1 when the peer has announced a call with our sequence number but different arguments.
 
-    The peer's tag is read with acquire, so the numel and chunk words it wrote before it are current.
-    A tag with another sequence number is the peer's previous call (it has not reached this one yet).
+    The peer's tag is read with acquire, so the numel and chunk words it wrote before it are current. A
+    tag with another sequence number is the peer's previous call (it has not reached this one yet). A
+    peer waited for in this call's last barrier can finish the call and announce its next one (numel and
+    chunk, then the tag) between this rank's reads: its words are then the next call's, so they count
+    only when the tag, read again after them, is unchanged (a seqlock read; the old check paired this
+    call's tag with the next call's words and raised a false CommMismatchError).
     """
     mine = tl.load(own_call)
     tag = tl.atomic_add(peer_call, mine * 0, sem="acquire", scope="sys")
+    numel, chunk = _call_args(peer_call, mine * 0)
+    again = tl.atomic_add(peer_call, mine * 0, sem="acquire", scope="sys")
     same_seq = (tag >> _SEQ_SHIFT) == (mine >> _SEQ_SHIFT)
-    other = (tl.load(peer_call + 1, volatile=True) != tl.load(own_call + 1)) | (
-        tl.load(peer_call + 2, volatile=True) != tl.load(own_call + 2)
-    )
-    return (same_seq & ((tag != mine) | other)).to(tl.int32)
+    other = (numel != tl.load(own_call + 1)) | (chunk != tl.load(own_call + 2))
+    return (same_seq & ((tag != mine) | ((again == tag) & other))).to(tl.int32)
 
 
 @triton.jit
