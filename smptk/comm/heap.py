@@ -261,7 +261,9 @@ def _create_cuda(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
     local[:DATA_OFFSET].zero_()
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-        enable(group.group_name)  # needed by torch < 2.8; a no-op afterwards
+        # deprecated in torch 2.11 / 2.13 (a FutureWarning) but still what registers the group's store for
+        # symmetric memory there; whether rendezvous works without it is not checked on a GPU yet
+        enable(group.group_name)
     handle = symm_mem.rendezvous(local, group.group_name)
     torch.cuda.synchronize(device)
     handle.barrier()  # every rank's signal pad is zero before any kernel signals it
