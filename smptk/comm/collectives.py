@@ -13,8 +13,7 @@ kernel launch (one chunk of at most ``heap_bytes``), counted from its start: a l
 peer then gives up, so set it well above the slowest launch (under the interpreter, seconds for a few
 thousand elements on a loaded machine), ``heap_bytes`` (SMPTK_COMM_HEAP_BYTES, default 64 MiB) per rank.
 Every rank of a group must use the same settings and make the same sequence of calls, as with any
-collective library. The variables are read
-through :mod:`smptk.settings`, once per process (on first use).
+collective library. The variables are read through :mod:`smptk.settings`, once per process (on first use).
 
 Under ``torch.compile`` each of the four collectives is a graph break and runs as it does eagerly
 (:func:`smptk.kernels._dispatch.outside_graphs`): Dynamo cannot trace a kernel launch on the heap.

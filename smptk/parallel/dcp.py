@@ -348,7 +348,8 @@ def load_checkpoint(
     if optimizer is not None and saved_state:
         # A parameter that had no gradient before the save (an unused branch) has no state there; the
         # template made some for it (a step at lr 0): load it without state, as it was saved.
-        stateless = [n for n in state[OPTIM_KEY]["state"] if not _has_state(keys, n)]
+        with_state = _names_with_state(keys)
+        stateless = [n for n in state[OPTIM_KEY]["state"] if n not in with_state]
         state[OPTIM_KEY] = {
             **state[OPTIM_KEY],
             "state": {n: v for n, v in state[OPTIM_KEY]["state"].items() if n not in stateless},
@@ -383,10 +384,15 @@ def load_checkpoint(
     return state.get(STEP_KEY)
 
 
-def _has_state(keys: list[str], name: str) -> bool:
-    """Whether the checkpoint's ``keys`` hold optimizer state for the parameter named ``name``."""
-    prefix = f"{OPTIM_KEY}.state.{name}."
-    return any(k.startswith(prefix) for k in keys)
+def _names_with_state(keys: list[str]) -> set[str]:
+    """Every dotted prefix of the checkpoint's ``optim.state.<name>.<field...>`` keys: a parameter named
+    ``n`` has saved state when ``n`` is in the set (a field may hold dots of its own)."""
+    prefix, out = f"{OPTIM_KEY}.state.", set()
+    for k in keys:
+        if k.startswith(prefix):
+            parts = k[len(prefix) :].split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
 
 
 def _planner(strict: bool):

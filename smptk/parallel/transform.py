@@ -386,7 +386,8 @@ def _sequence_parallel_call_hook(config: Any):
             raise ValueError(
                 f"logits_to_keep={keep!r} under sequence_parallel: Hugging Face slices the positions before "
                 "the head gathers the sequence, so each rank would keep the last ones of its own block; "
-                "pass 0 and slice the logits, or transform without sequence_parallel"
+                "pass 0 and slice the logits, or transform without sequence_parallel (generate() passes "
+                "logits_to_keep=1: generate with a model transformed without it, from the same weights)"
             )
         wanted = kwargs.get("output_hidden_states")
         if wanted is None:
