@@ -118,7 +118,18 @@ def _style(state, problems: list[str]) -> None:
     rows = [5, 9]
     xs, probes = zip(*(_tokens(r, rows[r]) for r in range(world)), strict=True)
     x = xs[rank].clone().requires_grad_()
-    y = moe(x)
+    # the experts' output [rows', H] goes back to its senders; nothing may keep it for backward (combine's
+    # reordering is a gather whose backward needs only its index: index_copy kept the whole output)
+    expert_out, saved = [], set()
+    hook = moe.experts.register_forward_hook(
+        lambda m, a, out: expert_out.append(out.untyped_storage().data_ptr()), prepend=True
+    )
+    pack = lambda t: saved.add(t.untyped_storage().data_ptr()) or t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = moe(x)
+    hook.remove()
+    if expert_out and expert_out[0] in saved:
+        problems.append("the experts' output is kept for backward (one more [rows', H] per layer)")
     (y * probes[rank]).sum().backward()
     x_full = torch.cat(xs).requires_grad_()
     y_full = ref(x_full)

@@ -128,13 +128,16 @@ class _TokenExchange:
         x_recv = cf.all_to_all(x_grouped, g, recv, send, agreed_max_split=peak)
         recv_counts = every_RE[:, me * E_l : (me + 1) * E_l]
         index, _ = expert_major_order(recv_counts, sum(recv))
-        self._pending.append((index, send, recv, peak, g))
+        # the inverse permutation takes the experts' output back to the receive order with a gather:
+        # index_select keeps only the int64 index for backward, where index_copy's autograd would keep
+        # its whole [rows', H] source (one more expert output per MoE layer held until backward)
+        inverse = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+        self._pending.append((inverse, send, recv, peak, g))
         return x_recv.index_select(0, index), recv_counts.sum(0).to(torch.int64)
 
     def combine(self, module: nn.Module, args: tuple, y_local: torch.Tensor) -> torch.Tensor:
-        index, send, recv, peak, g = self._pending.pop()
-        y_recv = y_local.new_empty(y_local.shape).index_copy(0, index, y_local)
-        return cf.all_to_all(y_recv, g, send, recv, agreed_max_split=peak)
+        inverse, send, recv, peak, g = self._pending.pop()
+        return cf.all_to_all(y_local.index_select(0, inverse), g, send, recv, agreed_max_split=peak)
 
 
 def _experts_of(module: object) -> GroupedExperts:
