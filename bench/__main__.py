@@ -83,6 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.quick:
         os.environ[config.MODE_ENV] = "quick"
+    if args.rounds is not None and args.rounds < 1:
+        print(f"bench: --rounds {args.rounds}: expected an integer >= 1", file=sys.stderr)
+        return 2
+    if args.warmup is not None and args.warmup < 0:
+        print(f"bench: --warmup {args.warmup}: expected an integer >= 0", file=sys.stderr)
+        return 2
+    out = args.out or DEFAULT_OUT
+    if out.exists() and not out.is_dir():
+        print(f"bench: --out {out}: exists and is not a directory", file=sys.stderr)
+        return 2
     for value, name in ((args.rounds, config.ROUNDS_ENV), (args.warmup, config.WARMUP_ENV)):
         if value is not None:
             os.environ[name] = str(value)

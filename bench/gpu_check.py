@@ -387,8 +387,8 @@ def run_bench(budget_s: float, env: dict[str, str], args: argparse.Namespace) ->
         argv.append("--quick")
     if args.filter:
         argv += ["--filter", args.filter]
-    if args.out:
-        argv += ["--out", str(args.out)]
+    if args.out:  # the child runs in the checkout: a relative --out means the caller's directory
+        argv += ["--out", str(Path(args.out).resolve())]
     child = run_child(argv, budget_s=budget_s, order=True, test_timeout_s=None, env=env)
     start = child.of("start")
     jsonl = Path(start[-1]["jsonl"]) if start and start[-1].get("jsonl") else None

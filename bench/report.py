@@ -592,9 +592,46 @@ def write_report(jsonl_path: Path, html_path: Path | None = None) -> Path:
     """
     jsonl_path = Path(jsonl_path)
     html_path = Path(html_path) if html_path else jsonl_path.with_suffix(".html")
-    rows = list(read_rows(jsonl_path))
+    if html_path.resolve() == jsonl_path.resolve():
+        raise ValueError(f"{html_path}: the report would overwrite its own results file; name another output")
+    if html_path.is_dir():
+        raise ValueError(f"{html_path}: is a directory; name the HTML file (e.g. {html_path / 'r.html'})")
+    if not html_path.parent.is_dir():
+        raise ValueError(f"{html_path}: its directory {html_path.parent} does not exist")
+    rows = [clean_row(r, f"{jsonl_path}: row {i}") for i, r in enumerate(read_rows(jsonl_path), start=1)]
     html_path.write_text(render_html(rows, title=f"smptk benchmarks: {jsonl_path.stem}"), encoding="utf-8")
     return html_path
+
+
+_NOT_FINITE_TEXT = frozenset({"nan", "inf", "+inf", "-inf", "infinity", "-infinity"})
+
+
+def clean_row(row: dict[str, Any], where: str = "row") -> dict[str, Any]:
+    """``row`` as the report reads it: numbers that are not finite (a NaN / Infinity literal, or the
+    "nan" / "inf" strings the row writer stores for them) become None, shown as "—"; a measurement row
+    without an ``impl`` or with a ``shape`` that is not an object raises ValueError naming ``where``.
+
+    Example::
+
+        >>> clean_row({"kind": "measurement", "impl": "smptk", "gbps": "inf", "time_s": {"median": 1e400}})
+        {'kind': 'measurement', 'impl': 'smptk', 'gbps': None, 'time_s': {'median': None}}
+    """
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, str) and value.strip().lower() in _NOT_FINITE_TEXT:
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        return value
+
+    out = {k: (v if k in ("note", "reason") else finite(v)) for k, v in row.items()}
+    if out.get("kind") == "measurement" and not isinstance(out.get("impl"), str):
+        raise ValueError(f"{where}: a measurement row needs an impl (a string), got {out.get('impl')!r}")
+    if out.get("shape") is not None and not isinstance(out.get("shape"), dict):
+        raise ValueError(f"{where}: shape must be an object of named sizes, got {out.get('shape')!r}")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -608,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         out = write_report(args.jsonl, args.output)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"bench.report: {exc}", file=sys.stderr)
         return 1
     print(out)

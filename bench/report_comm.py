@@ -118,12 +118,21 @@ def _slowdown_bar(row: dict[str, Any]) -> tuple[float, float, float] | None:
     )
 
 
-def _latest(rows: list[dict[str, Any]], key: Any) -> dict[Any, dict[str, Any]]:
-    """Rows keyed by ``key(row)``, the last one winning (a re-run of a case in the same file)."""
+def _latest(rows: list[dict[str, Any]], key: Any) -> tuple[dict[Any, dict[str, Any]], str]:
+    """Rows keyed by ``key(row)``, the last one winning (a re-run of a case, or a second run appended to the
+    same file), and a note saying how many rows that left out and of which runs ("" when none)."""
     out: dict[Any, dict[str, Any]] = {}
     for r in rows:
         out[key(r)] = r
-    return out
+    left = len(rows) - len(out)
+    if not left:
+        return out, ""
+    shown = sorted({str(r.get("run_id")) for r in out.values()})
+    note = (
+        f"<p class='muted'>{left} earlier row(s) of the same cases in this file are not shown (a re-run or "
+        f"another run appended to it); shown: the last row of each case, run(s) {_esc(', '.join(shown))}.</p>"
+    )
+    return out, note
 
 
 def ptx_text(row: dict[str, Any]) -> str:
@@ -144,7 +153,7 @@ def ptx_text(row: dict[str, Any]) -> str:
 
 def _simulated_section(group: list[dict[str, Any]]) -> str:
     first = group[0]
-    by_case = _latest(group, lambda r: (r.get("size_bytes"), r.get("max_sms")))
+    by_case, left_note = _latest(group, lambda r: (r.get("size_bytes"), r.get("max_sms")))
     sizes = sorted({s for s, _ in by_case if isinstance(s, int)})
     sms = sorted({k for _, k in by_case if isinstance(k, int)})
     pivot = "".join(
@@ -207,13 +216,13 @@ def _simulated_section(group: list[dict[str, Any]]) -> str:
         f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
         f"<p>busbw GB/s (nccl-tests definition) against the SM budget:</p>"
         f"<table>{pivot_head}{pivot}</table><div class='charts'>{''.join(charts)}</div>"
-        f"<table>{detail_head}{''.join(detail)}</table></section>"
+        f"<table>{detail_head}{''.join(detail)}</table>{left_note}</section>"
     )
 
 
 def _interference_section(group: list[dict[str, Any]]) -> str:
     first = group[0]
-    by_case = _latest(group, lambda r: (str(r.get("op")), r.get("max_sms")))
+    by_case, left_note = _latest(group, lambda r: (str(r.get("op")), r.get("max_sms")))
     ops = sorted({op for op, _ in by_case})
     sms = sorted({k for _, k in by_case if isinstance(k, int)})
     values, body = {}, []
@@ -256,7 +265,7 @@ def _interference_section(group: list[dict[str, Any]]) -> str:
         f"{_esc(_size_text(first.get('size_bytes')))} — W={_esc(first.get('world'))} — "
         f'{_esc(first.get("dtype"))} <span class="muted">(comm_interference)</span></h2>'
         f'<p class="world">world_mode: {_esc(first.get("world_mode"))}</p>'
-        f"{chart}<table>{head}{''.join(body)}</table>{notes_html}</section>"
+        f"{chart}<table>{head}{''.join(body)}</table>{notes_html}{left_note}</section>"
     )
 
 

@@ -8,7 +8,9 @@ When several rows match (both MoE configs, every interference case), the worst o
 for targets that ask for a best case, e.g. the peak peer bandwidth). A new target is a new entry in
 :data:`TARGETS`; nothing else changes.
 
-Only rows that are measurements count: kind "measurement", ``mode == "measure"`` and no ``note``. A
+Only rows that are measurements count: kind "measurement", ``mode == "measure"``, no ``note``, a CUDA
+device, and for smptk's rows its Triton kernels (not the fallback, not the interpreter); numbers that are
+not finite count as missing. A
 target with no such row (quick mode, the CPU interpreter, a case skipped, filtered out or not reached in
 the time budget, too few GPUs) is "not measured", with the reason. No number is built in: every value
 is a ratio or a field of rows of the run being judged.
@@ -19,7 +21,7 @@ the targets need, so that they run first.
 Example::
 
     >>> rows = read_rows(Path("bench/results/nvidia-h100-80gb-hbm3/2026-11-23-ab12cd34.jsonl"))
-    >>> results = evaluate(list(rows))
+    >>> results = evaluate(list(rows))   # one run's file; several runs: pass run_id=
     >>> [(r.target.id, r.status) for r in results][:2]
     [('linear.gelu_fwd_vs_eager', 'met'), ('linear.gelu_fwd_vs_matmul', 'not met')]
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -80,19 +83,40 @@ def matches(fields: dict[str, Any], selector: Selector) -> bool:
 
 
 def is_measurement(row: Row) -> bool:
-    """A row that may count for a target: a measure-mode measurement with no note."""
-    return row.get("kind") == "measurement" and row.get("mode") == "measure" and not row.get("note")
+    """A row that may count for a target: a measure-mode measurement with no note, taken on a GPU, and for
+    smptk's own rows (``impl`` "smptk...") on its Triton kernels: a row whose ``kernel_path`` says the
+    PyTorch fallback or the interpreter ran (``SMPTK_KERNELS=torch`` on a GPU) measured something else.
+
+    >>> is_measurement({"kind": "measurement", "mode": "measure", "device": "cuda", "impl": "smptk",
+    ...                 "kernel_path": "torch"})
+    False
+    """
+    if row.get("kind") != "measurement" or row.get("mode") != "measure" or row.get("note"):
+        return False
+    if row.get("device") != "cuda":
+        return False
+    path = row.get("kernel_path")
+    if str(row.get("impl", "")).startswith("smptk") and isinstance(path, str):
+        return not (path.startswith("torch") or "interpreter" in path)
+    return True
 
 
 # ----------------------------------------------------------------------------- metrics
+def _finite(value: Any) -> float | None:
+    """A JSON number as a float; None for anything else (NaN and infinities included: Python's json reads
+    the ``NaN`` / ``Infinity`` literals, and ``min`` / ``max`` would make a verdict depend on row order)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _median(row: Row | None) -> float | None:
-    value = ((row or {}).get("time_s") or {}).get("median")
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    value = _finite(((row or {}).get("time_s") or {}).get("median"))
+    return value if value is not None and value > 0 else None
 
 
 def _num(row: Row | None, key: str) -> float | None:
-    value = (row or {}).get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return _finite((row or {}).get(key))
 
 
 def _ms(row: Row) -> str:
@@ -722,9 +746,19 @@ def evaluate(
     run_id: str | None = None,
     targets: Sequence[Target] = TARGETS,
 ) -> list[Result]:
-    """Every target judged on ``rows`` (only those of ``run_id`` when given), in table order."""
+    """Every target judged on ``rows`` (only those of ``run_id`` when given), in table order.
+
+    Without ``run_id`` the rows must come from one run: a case and its baseline are compared only within
+    a run (a ValueError names the runs found otherwise).
+    """
     if run_id is not None:
         rows = [r for r in rows if r.get("run_id") == run_id]
+    else:
+        runs = sorted({str(r.get("run_id")) for r in rows})
+        if len(runs) > 1:
+            raise ValueError(
+                f"rows from {len(runs)} runs ({', '.join(runs)}): pass run_id= to judge one of them"
+            )
     return [evaluate_one(t, rows, gpu_count) for t in targets]
 
 

@@ -185,3 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     parser.error(f"unknown command {args.command!r}")  # argparse already rejects these; kept for safety
     return 2
+
+
+if __name__ == "__main__":  # python -m smptk.cli, like python -m smptk
+    sys.exit(main())

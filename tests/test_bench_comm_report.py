@@ -135,6 +135,17 @@ def test_comm_rows_show_their_numbers_and_the_world_label() -> None:
     assert "<script" not in page and "src=" not in page
 
 
+def test_a_second_run_in_the_file_is_named_not_dropped_silently() -> None:
+    """Two runs appended to one file: the comm tables show the last row of each case and say that the
+    earlier rows are left out (they showed one run's rows and nothing about the other)."""
+    rows = _comm_rows()
+    assert "earlier row(s)" not in render_html(rows)
+    again = [r | {"run_id": "run-d"} for r in rows]
+    page = render_html(rows + again)
+    assert page.count("earlier row(s) of the same cases in this file are not shown") == 2  # both sections
+    assert "run(s) run-d" in page
+
+
 def test_one_chart_per_collective_and_size_plus_interference() -> None:
     page = render_html(_comm_rows())
     svgs = [page[i : page.index("</svg>", i) + 6] for i in range(len(page)) if page.startswith("<svg", i)]

@@ -246,6 +246,43 @@ def test_report_cli_regenerates_html(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert report_main([str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_report_cli_refuses_outputs_that_would_lose_data_and_rows_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in (_row("smptk", 0.002), _row("torch_eager", 0.003)))
+    path.write_text(text)
+    for output in (path, tmp_path, tmp_path / "missing" / "r.html"):  # the results file, a dir, no dir
+        assert report_main([str(path), "-o", str(output)]) == 1
+    assert path.read_text() == text  # the results are intact
+    err = capsys.readouterr().err
+    assert "overwrite its own results file" in err and "is a directory" in err and "does not exist" in err
+    # what the row writer stores for a number that is not finite ("inf" / "nan"), and the JSON literals,
+    # show as a dash instead of crashing or drawing a log(0)
+    odd = [_row("smptk", 0.002) | {"gbps": "inf", "check": {"max_abs_err": "nan"}}]
+    odd.append(_row("torch_eager", 0.003))
+    odd[1]["time_s"]["median"] = float("inf")
+    path.write_text("".join(json.dumps(r) + "\n" for r in odd))
+    assert report_main([str(path)]) == 0
+    for broken, why in (({"impl": None}, "needs an impl"), ({"shape": [7, 16]}, "shape must be an object")):
+        path.write_text(json.dumps(_row("smptk", 0.002) | broken) + "\n")
+        assert report_main([str(path)]) == 1
+        assert f"row 1: {why}" in capsys.readouterr().err.replace("a measurement row ", "")
+
+
+def test_bench_refuses_an_out_that_is_a_file_and_bad_round_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.__main__ import main as bench_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert bench_main(["--out", str(afile)]) == 2
+    assert bench_main(["--rounds", "0"]) == 2 and bench_main(["--warmup", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and "--rounds 0" in err and "--warmup -1" in err
+
+
 # ----------------------------------------------------------------------------- end to end
 def _subprocess_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMPTK_BENCH_")}

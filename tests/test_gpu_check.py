@@ -34,6 +34,7 @@ def row(impl: str, median_s: float, **fields: Any) -> dict[str, Any]:
         "kind": "measurement",
         "mode": "measure",
         "note": None,
+        "device": "cuda",
         "run_id": "run-1",
         "test_id": f"synthetic::{impl}",
         "impl": impl,
@@ -137,6 +138,35 @@ def test_only_the_given_run_counts() -> None:
     rows = [linear("smptk", 1e-3), linear("torch_eager", 2e-3) | {"run_id": "run-0"}]
     (result,) = T.evaluate(rows, gpu_count=1, run_id="run-1", targets=[target("linear.gelu_fwd_vs_eager")])
     assert result.status == "not measured"
+
+
+def test_rows_of_the_fallback_the_interpreter_or_a_cpu_are_not_measurements() -> None:
+    eager = linear("torch_eager", 10e-3)
+    assert judge("linear.gelu_fwd_vs_eager", [linear("smptk", 8e-3), eager]).status == "met"
+    for other in ({"kernel_path": "torch"}, {"kernel_path": "triton (interpreter)"}, {"device": "cpu"}):
+        result = judge("linear.gelu_fwd_vs_eager", [linear("smptk", 8e-3) | other, eager])
+        assert result.status == "not measured", (other, result.status_text)
+
+
+def test_values_that_are_not_finite_count_as_missing_in_any_row_order() -> None:
+    nan = linear("smptk", float("nan"))
+    inf = linear("torch_eager", float("inf"))
+    for rows in ([nan, linear("torch_eager", 1e-3)], [inf, linear("smptk", 1e-3)]):
+        for order in (rows, rows[::-1]):
+            result = judge("linear.gelu_fwd_vs_eager", order)
+            assert result.status == "not measured", result.status_text
+    slow = row("smptk", 1e-3, suite="comm", tflops=float("inf"))
+    assert T._num(slow, "tflops") is None and T._num(slow | {"tflops": float("nan")}, "tflops") is None
+
+
+def test_rows_of_two_runs_are_judged_one_run_at_a_time() -> None:
+    """Run 0 lacks its baseline, run 1 its measurement: together they must not pair into a verdict."""
+    rows = [linear("smptk", 1e-3) | {"run_id": "run-0"}, linear("torch_eager", 2e-3)]
+    with pytest.raises(ValueError, match="rows from 2 runs"):
+        T.evaluate(rows, gpu_count=1)
+    for run in ("run-0", "run-1"):
+        (result,) = T.evaluate(rows, gpu_count=1, run_id=run, targets=[target("linear.gelu_fwd_vs_eager")])
+        assert result.status == "not measured"
 
 
 def moe(op: str, impl: str, median_s: float, config: str, pass_: str = "fwd+bwd", **kw: Any) -> dict:
@@ -344,6 +374,22 @@ def _child(tmp_path: Path, name: str, source: str) -> gpu_check.Child:
     argv = [sys.executable, "-m", "pytest", str(test_file), "-p", "bench.gpu_check", "-q"]
     argv += ["-p", "no:cacheprovider", "-p", "no:timeout", f"--rootdir={tmp_path}"]
     return gpu_check.run_child(argv, budget_s=12, order=False, test_timeout_s=None, env=dict(os.environ))
+
+
+def test_a_relative_out_means_the_callers_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark child runs in the checkout; ``--out rel`` must still land where the caller stands, as
+    ``python -m bench --out rel`` does (it landed in the checkout, which then counted as dirty)."""
+    seen: list[list[str]] = []
+
+    def child(argv: list[str], **_: Any) -> gpu_check.Child:
+        seen.append(argv)
+        return gpu_check.Child(returncode=0, killed=False, wall_s=0.0, events=[])
+
+    monkeypatch.setattr(gpu_check, "run_child", child)
+    monkeypatch.chdir(tmp_path)
+    gpu_check.run_bench(60.0, dict(os.environ), gpu_check._parser().parse_args(["--out", "rel", "--quick"]))
+    (argv,) = seen
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "rel")
 
 
 def test_child_stops_at_its_deadline(tmp_path: Path) -> None:
