@@ -116,7 +116,7 @@ def record(request: pytest.FixtureRequest, bench_env: dict[str, Any]) -> Callabl
                 "flops": flops,
                 "bytes": nbytes,
                 "tflops": flops / median / 1e12 if median > 0 else None,
-                "gbps": nbytes / median / 1e9 if median > 0 else None,
+                "gbps": nbytes / median / 1e9 if median > 0 and nbytes > 0 else None,  # 0: not counted
             }
         )
         row.update(fields)

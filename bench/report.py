@@ -56,8 +56,9 @@ IMPL_COLORS = {
 }
 _EXTRA_COLORS = ("#8e5ea2", "#e08a1e", "#17a2b8", "#6b4f2a", "#d35d8e", "#5b8c2a", "#3b4cc0", "#b8860b")
 BASELINE = "torch_eager"
-# Suites whose plain-PyTorch baseline has another name (bench/test_bench_moe.py: the HF-style expert loop).
-SUITE_BASELINES = {"moe": "eager_loop"}
+# Suites whose plain-PyTorch baseline has another name (bench/test_bench_moe.py: the HF-style expert loop;
+# bench/test_bench_tp_sim.py: the unfused pair, which the target tp.fused_pair_vs_sequential_sim reads).
+SUITE_BASELINES = {"moe": "eager_loop", "tp_sim": "torch_sequential"}
 CEILING = "torch_matmul"
 
 _CSS = """

@@ -188,7 +188,9 @@ class SimulatedPair:
 
 def _kernel_path(impl: str) -> str:
     if impl == "smptk_fused":
-        return "triton"
+        from smptk.kernels import runtime
+
+        return "triton (interpreter)" if runtime.interpreter_enabled() else "triton"
     return "cuBLAS via torch" if MODE.device == "cuda" else "torch (CPU)"
 
 

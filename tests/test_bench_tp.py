@@ -35,6 +35,7 @@ def tp_row(impl: str, median_s: float, config: str = "sp", **kw: Any) -> dict[st
         "kind": "measurement",
         "mode": "measure",
         "note": None,
+        "device": "cuda",
         "run_id": "run-1",
         "test_id": f"synthetic::{impl}-{config}",
         "suite": "tp_dist",
@@ -108,8 +109,10 @@ def test_quick_tp_sim_bench_end_to_end(tmp_path: Path) -> None:
         assert r["check"]["passed"] and r["check"]["worst_err_over_tol"] < 1, r["check"]
         assert r["shape"] == {"S": 6 * world, "H": 20, "F": 12 * world} and r["dtype"] == "float32"
         assert r["time_s"]["median"] > 0 and r["flops"] == 4 * 6 * world * 20 * 12 * world // world
+        assert r["gbps"] is None  # bytes are not counted here: no "0 GB/s"
         if impl == "smptk_fused":
             assert r["check"]["gathered_exact"] and r["comm_max_sms"] == 2
+            assert r["kernel_path"] == "triton (interpreter)"
 
 
 def test_met_and_not_met_against_each_baseline() -> None:
