@@ -23,7 +23,8 @@ Cases (each returns None or what went wrong; a failure is recorded and the job g
   within the short timeout.
 
 The fused cases also require ``last_backward_path() == "fused"``: x's gradient came out of one GEMM +
-reduce-scatter launch. ``linear_reduce_scatter`` (every rank holds all ``W * T_w`` rows of its ``K``
+reduce-scatter launch; the unfused ones the forward's ``"unfused: <why>"`` (it kept the last fused
+backward's name). ``linear_reduce_scatter`` (every rank holds all ``W * T_w`` rows of its ``K``
 input features and an ``[N_LOCAL, K]`` weight shard; the reference sums the ranks' float64 products and
 keeps each rank's block, + bias; its backward ran inside one all-gather GEMM launch):
 
@@ -121,8 +122,9 @@ def _check_case(
     if not torch.equal(gathered, torch.cat(xs)):
         problems.append("gathered_out differs from the ranks' blocks")
     grads = torch.autograd.grad(out, [x, w] + ([b] if use_bias else []), us[rank])
-    if want_path == "fused" and last_backward_path() != "fused":
-        problems.append(f"backward path {last_backward_path()!r}, expected 'fused'")
+    want_backward = "fused" if want_path == "fused" else path  # an unfused call's backward: its reason
+    if last_backward_path() != want_backward:
+        problems.append(f"backward path {last_backward_path()!r}, expected {want_backward!r}")
     tol = 1e-4  # fp32 against float64, K = 24
     problems += _compare("out", out, ref[0], tol)
     problems += _compare("dx", grads[0], ref[1], tol)
@@ -171,8 +173,9 @@ def _check_scatter(rank, world, seed, use_bias, max_sms, want_path, algorithm="a
     out, path = linear_reduce_scatter(x, w, b, group=None, max_sms=max_sms, algorithm=algorithm)
     problems = [] if path.startswith(want_path) else [f"path {path!r}, expected {want_path!r}"]
     grads = torch.autograd.grad(out, [x, w] + ([b] if use_bias else []), us[rank])
-    if want_path == "fused" and last_backward_path() != "fused":
-        problems.append(f"backward path {last_backward_path()!r}, expected 'fused'")
+    want_backward = "fused" if want_path == "fused" else path  # an unfused call's backward: its reason
+    if last_backward_path() != want_backward:
+        problems.append(f"backward path {last_backward_path()!r}, expected {want_backward!r}")
     tol = 1e-4  # fp32 against float64, K = 24, W terms
     problems += _compare("out", out, total[rank * t_w : (rank + 1) * t_w].detach(), tol)
     problems += _compare("dx", grads[0], X[rank].grad, tol)

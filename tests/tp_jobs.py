@@ -610,6 +610,8 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
     emb = VocabParallelEmbedding(2 * T, 3, mesh=m)
     logits, zeros = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
     sharded = distribute_tensor(torch.randn(2, 4, 5), m, [Shard(1)])
+    col_sp1 = ColumnParallelLinear(5, T, mesh=m, sequence_parallel=True, sequence_dim=1)
+    uneven = distribute_tensor(torch.randn(2, 2 * T + 1, 5), m, [Shard(1)])  # unequal blocks (torch's split)
     ce = vocab_parallel_cross_entropy
     cases = [  # (label, exception, words the message must hold, the call)
         ("out_features", ValueError, ("out_features", str(N), f"tensor-parallel size {T}"),
@@ -644,6 +646,8 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
         ("parametrized linear", TypeError, ("ParametrizedLinear", "['parametrizations']"),
          lambda: SmptkColwiseParallel()._apply(_weight_normed(nn.Linear(5, T)), m)),
         ("DTensor placement", ValueError, ("x", "Shard(dim=1)", "Replicate"), lambda: col(sharded)),
+        ("uneven DTensor sequence", ValueError, ("sequence length", str(2 * T + 1), f"size {T}"),
+         lambda: col_sp1(uneven)),
         ("column float64", TypeError, ("dtype", "float64"),
          lambda: ColumnParallelLinear(5, T, mesh=m, dtype=torch.float64)),
         ("row float64", TypeError, ("dtype", "float64"),

@@ -121,6 +121,14 @@ def _checked_bias(bias, weight_local: torch.Tensor, x_name: str, x: torch.Tensor
 _last_backward: list[str] = ["none"]
 
 
+def _unfused_backward(y: torch.Tensor, why: str) -> torch.Tensor:
+    """``y`` (an unfused call's output), whose backward, when it runs, records ``"unfused: <why>"`` as the
+    latest backward path (the fused Functions record theirs in their backward)."""
+    if y.requires_grad:
+        y.register_hook(lambda dy: _last_backward.__setitem__(0, f"unfused: {why}"))
+    return y
+
+
 def last_backward_path() -> str:
     """The path of the latest backward of :func:`all_gather_linear` or :func:`linear_reduce_scatter` in this
     process: "fused" (its collective ran inside the other op's kernel), "unfused: <why>", or "none"."""
@@ -293,7 +301,8 @@ def all_gather_linear(
     if gathered_out is not None:
         gathered_out.copy_(full.detach())
     with functional.saved_as_shard(full, x, g, dim=0, max_sms=max_sms):  # as the fused path keeps x_local
-        return fused_linear(full, weight_local, bias, activation=activation), f"unfused: {why}"
+        out = fused_linear(full, weight_local, bias, activation=activation)
+    return _unfused_backward(out, why), f"unfused: {why}"
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -381,7 +390,7 @@ def linear_reduce_scatter(
     y = functional.reduce_scatter(fused_linear(x, weight_local), g, dim=0, max_sms=max_sms)
     if bias is not None:
         y = y + functional.copy_to_group(bias, g, max_sms=max_sms)  # each rank's bias gradient: its rows
-    return y, f"unfused: {why}"
+    return _unfused_backward(y, why), f"unfused: {why}"
 
 
 __all__ = ["ALGORITHMS", "all_gather_linear", "last_backward_path", "linear_reduce_scatter"]

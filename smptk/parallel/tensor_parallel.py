@@ -246,7 +246,8 @@ def _unfused_by_design(sequence_parallel: bool, sequence_dim: int) -> str:
 
 def _local_input(x: object, mesh: DeviceMesh, name: str, shard_dim: int | None = None) -> torch.Tensor:
     """``x`` as this rank's local tensor: a plain tensor, or a DTensor on ``mesh`` that is Replicate (or,
-    when ``shard_dim`` is given, sharded along that dim of ``x``; negative counts from the end)."""
+    when ``shard_dim`` is given, sharded along that dim of ``x``; negative counts from the end, and the
+    dim's global length must divide by the mesh size: the layers gather equal blocks)."""
     if isinstance(x, DTensor):
         if x.device_mesh != mesh:
             raise ValueError(
@@ -258,6 +259,9 @@ def _local_input(x: object, mesh: DeviceMesh, name: str, shard_dim: int | None =
                 f"{name}: a DTensor with placements {tuple(x.placements)}; this layer takes {allowed[0]} "
                 "(or a plain local tensor)"
             )
+        if shard_dim is not None:  # torch splits an uneven length into unequal blocks (3, 3, 1 for 7 / 3)
+            d = shard_dim % x.dim()
+            _check_seq_divisible(name, x.shape[d], d, tuple(x.shape), mesh.size())
         return x.to_local()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or DTensor, got {type(x).__name__}")
