@@ -296,6 +296,19 @@ def test_a_module_shared_by_two_units_is_named() -> None:
         assert len(report.units) == 1
 
 
+def test_an_empty_trainable_parameter_is_named_before_fsdp2_fails_in_backward() -> None:
+    """A [0, 8] trainable weight passed fully_shard and failed in the first backward on every rank
+    ("_chunk_cat expects non-empty tensor"); it is named up front. Frozen, it stays allowed."""
+    with fake_world(2):
+        state = parallel.init({"hybrid_shard_degree": 0, "mixed_precision": "fp32"})
+        model = nn.Sequential(nn.Linear(4, 0), nn.Linear(4, 4))
+        empty = r"\['0.weight', '0.bias'\]: trainable parameters with no elements"
+        with pytest.raises(ValueError, match=empty):
+            apply_data_parallel(model, state, use_smptk_collectives=False)
+        model[0].requires_grad_(False)
+        apply_data_parallel(model, state, use_smptk_collectives=False)
+
+
 def test_replication_reason_names_every_cause() -> None:
     """At tp 1 smptk's layers still hold DTensors: the reason said "tensor parallelism
     (tensor_parallel_degree 1)", and never named bf16, the other cause."""

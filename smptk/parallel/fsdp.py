@@ -346,6 +346,18 @@ def _check_units_share_nothing(units: list[tuple[str, nn.Module]]) -> None:
             )
 
 
+def _check_no_empty_trainable(model: nn.Module) -> None:
+    """A trainable parameter with no elements (a ``[0, 8]`` weight) passes fully_shard and then fails in
+    FSDP2's gradient reduce-scatter on every rank ("_chunk_cat expects non-empty tensor"): name it now."""
+    empty = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() > 0 and p.numel() == 0]
+    if empty:
+        raise ValueError(
+            f"{empty[:4]}: trainable parameters with no elements, which FSDP2's gradient reduce-scatter "
+            "cannot take (torch fails in the first backward); freeze or remove them, or replicate the model "
+            "(hybrid_shard_degree=1, DDP)"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Where smptk's heap applies
 
@@ -560,6 +572,7 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
 
     units = [*select_units(model, modules), ("", model)]
     _check_units_share_nothing(units[:-1])
+    _check_no_empty_trainable(model)
     loose = experts_without_unit(model)
     if loose:
         raise ValueError(
