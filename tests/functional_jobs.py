@@ -141,6 +141,8 @@ def _check(
         problems.append(f"{label}: backward took {comm.last_path()!r}, expected {want_path!r}")
     if runs_forward and not y.is_contiguous():
         problems.append(f"{label}: output not contiguous (strides {y.stride()})")
+    if runs_forward and y._is_view():  # an output view refuses in-place updates (out += residual)
+        problems.append(f"{label}: the output is a view")
     _same(problems, f"{label} output", y.detach(), outs[me].detach())
     _same(problems, f"{label} grad", dx, ref_grads[0 if replicated_input else me])
     if not torch.equal(x.detach(), inputs[me]):

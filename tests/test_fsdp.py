@@ -321,6 +321,23 @@ def test_replication_reason_names_every_cause() -> None:
         assert "mixed_precision 'bf16'" in report.reason and "tensor_parallel_degree 1)" not in report.reason
 
 
+def test_ddp_leaves_the_moe_token_counts_out_of_its_buffer_broadcast() -> None:
+    """DDP broadcasts rank 0's buffers before each forward: between two accumulated forwards it replaced
+    every rank's tokens_per_expert with rank 0's, and update_expert_bias summed wrong loads. The counts
+    are no longer broadcast; the expert bias (equal on every rank) and other buffers still are."""
+    from smptk.parallel import MoE
+
+    with fake_world(2):
+        state = parallel.init({"hybrid_shard_degree": 1, "mixed_precision": "fp32"})
+        model = nn.Sequential(nn.BatchNorm1d(4), MoE(4, 6, 4, top_k=2, expert_bias=True))
+        model[1]._ddp_params_and_buffers_to_ignore = []  # a user's own list on a submodule: no effect
+        ddp, report = apply_data_parallel(model, state, use_smptk_collectives=False)
+        assert report.engine == "ddp"
+        broadcast = {id(b) for b in ddp.modules_buffers}
+        assert id(model[1].tokens_per_expert) not in broadcast
+        assert id(model[1].expert_bias) in broadcast and id(model[0].running_mean) in broadcast
+
+
 def test_ddp_refuses_a_meta_model_and_says_the_order() -> None:
     """DDP checks its parameters' values across ranks (Tensor.item() on meta used to crash in there): the
     replicated path takes a materialized model, and says so."""

@@ -285,11 +285,13 @@ def test_deepcopy_after_a_training_forward() -> None:
     import copy
 
     moe = _layer(top_k=2, num_shared_experts=1, aux_loss_coef=0.01)
+    moe.record_router_probs = True  # as transform sets it for output_router_logits: probs on the graph too
     x = torch.randn(7, H, requires_grad=True)
     y = moe(x)
-    assert moe.aux_loss is not None and moe.aux_loss.requires_grad
+    assert moe.aux_loss is not None and moe.aux_loss.requires_grad and moe.last_router_probs.requires_grad
     twin = copy.deepcopy(moe)
     assert twin.aux_loss is None and twin.last_routing is None and twin.last_plan is None
+    assert twin.last_router_probs is None
     assert moe.aux_loss is not None, "the original keeps its loss for the backward"
     for (name, p), q in zip(moe.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), name

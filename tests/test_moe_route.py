@@ -131,6 +131,24 @@ def test_ties_go_to_the_lower_id(monkeypatch, path, score_func):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_the_losses_take_in_place_updates(monkeypatch, path):
+    """``loss = r.aux_loss; loss *= c; loss += c2 * r.z_loss``: the Triton path returned views of its
+    buffers, which refused in-place updates ("Output 3 of MoERouteFunction is a view"); now both paths
+    take them, with the gradient of the out-of-place expression."""
+    use_path(monkeypatch, path, "cpu")
+    logits = route_logits(9, 5, dtype=torch.float32)
+    r = moe_route(logits, 2)
+    assert r.aux_loss.shape == () and r.z_loss.shape == () and not r.aux_loss._is_view()
+    loss = r.aux_loss
+    loss *= 0.01
+    loss += 0.001 * r.z_loss
+    (got,) = torch.autograd.grad(loss, logits)
+    r = moe_route(logits, 2)
+    (want,) = torch.autograd.grad(0.01 * r.aux_loss + 0.001 * r.z_loss, logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_nan_keys_come_after_every_number(monkeypatch, path):
     """A NaN selection key (a diverged expert_bias entry; a NaN logit under sigmoid) is picked only after
     every number, then NaN keys by id, on both paths: the PyTorch path's sort put NaN first, so every token

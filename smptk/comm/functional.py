@@ -157,8 +157,15 @@ def _front(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _back(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The inverse of :func:`_front`: dimension 0 of the contiguous ``t`` back to ``dim``, contiguous."""
-    return t.movedim(0, dim).contiguous()
+    """The inverse of :func:`_front`: dimension 0 of the contiguous ``t`` back to ``dim``, contiguous, and
+    never a view: an op's output that is a view of its internal buffer refuses in-place updates (``out +=
+    residual``). Where the move needs no copy (dim 0, or only size-1 dims in between), the result is a
+    tensor of its own over ``t``'s storage, which nothing else holds."""
+    moved = t.movedim(0, dim)
+    if not moved.is_contiguous():
+        return moved.contiguous()
+    own = t.new_empty(0)
+    return own.set_(t.untyped_storage(), t.storage_offset(), moved.shape, moved.stride())
 
 
 def _gather_front(x_front: torch.Tensor, group: dist.ProcessGroup, max_sms: int | None) -> torch.Tensor:

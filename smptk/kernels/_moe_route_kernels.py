@@ -145,7 +145,7 @@ def _route_stats_kernel(
     """One program: sums the partial rows over programs, in program order.
 
     cnt_part_ptr, q_part_ptr: [num_progs, E] (int32, fp32); z_part_ptr: [num_progs] fp32.
-    counts_ptr: [E] int64 (tokens_per_expert); aux_ptr, z_ptr: [1] fp32 each (0 when T == 0).
+    counts_ptr: [E] int64 (tokens_per_expert); aux_ptr, z_ptr: 0-d fp32 each (0 when T == 0).
     """
     e_idx = tl.arange(0, BLOCK_E)
     e_ok = e_idx < E
@@ -193,7 +193,7 @@ def _route_bwd_kernel(
 
     logits_ptr: [T, E] with strides (stride_lt, stride_le); ids_ptr: [T, k] int32 contiguous;
     dw_ptr: [T, k] fp32 with strides (stride_dwt, stride_dwk); counts_ptr: [E] int64;
-    daux_ptr, dz_ptr: [1] fp32; dlogits_ptr: [T, E] contiguous, logits' dtype.
+    daux_ptr, dz_ptr: one fp32 element each; dlogits_ptr: [T, E] contiguous, logits' dtype.
     """
     rows = row_offset(tl.program_id(0), BLOCK_T) + tl.arange(0, BLOCK_T)
     row_ok = rows < T

@@ -153,8 +153,8 @@ def route_fwd(
     q_part = new_buffer((num_progs, E), torch.float32, device)
     z_part = new_buffer((num_progs,), torch.float32, device)
     counts = new_index_buffer((E,), torch.int64, device)
-    aux = new_buffer((1,), torch.float32, device)
-    z = new_buffer((1,), torch.float32, device)
+    aux = new_buffer((), torch.float32, device)  # 0-d outputs of their own: not views (in-place updates work)
+    z = new_buffer((), torch.float32, device)
     if num_progs:
         _kernels._route_fwd_kernel[(num_progs,)](
             logits_TE,
@@ -191,7 +191,7 @@ def route_fwd(
         BLOCK_B=b["STATS_BLOCK_B"],
         BLOCK_E=b["BLOCK_E"],
     )
-    return weights, ids, counts, aux.view(()), z.view(())
+    return weights, ids, counts, aux, z
 
 
 def route_bwd(

@@ -86,6 +86,7 @@ from smptk.kernels import runtime
 from smptk.kernels.heap_layout import MAX_WORLD
 from smptk.parallel.config import ParallelState, current
 from smptk.parallel.expert_parallel import expert_parameter_ids, expert_placement_fn, experts_without_unit
+from smptk.parallel.moe import MoE
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -627,12 +628,27 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
     )
 
 
+def _keep_rank_local_buffers(model: nn.Module) -> None:
+    """DDP broadcasts rank 0's buffers before every forward (``broadcast_buffers``). A MoE layer's
+    ``tokens_per_expert`` counts this rank's tokens since the last ``update_expert_bias``, which sums
+    them over the ranks: a broadcast between two accumulated forwards replaced each rank's count with rank
+    0's (wrong loads, biases moved the wrong way). Leave those buffers out of DDP's broadcast."""
+    moes = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+    names = [f"{n}.tokens_per_expert" if n else "tokens_per_expert" for n in moes]
+    if names:
+        ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored + [n for n in names if n not in ignored]
+        )
+
+
 def _apply_ddp(model, state, mode, use_smptk, options):
     group = state.group("dp")
     blocker = None if use_smptk is False else _heap_blocker(group, state.device_type, "dp")
     smptk_on, why_torch = _smptk_choice(use_smptk, blocker)
     if state.device_type == "cuda":
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
+    _keep_rank_local_buffers(model)
     ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **options)
     calls: collections.Counter = collections.Counter()
     if smptk_on:

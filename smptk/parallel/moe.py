@@ -379,7 +379,7 @@ class MoE(nn.Module):
 
     # What the latest forward left for the caller (attached to its autograd graph): not state. A copy
     # starts without them, so copy.deepcopy works mid-training (graph tensors refuse to be deep-copied).
-    _PER_FORWARD = ("aux_loss", "last_routing", "last_plan")
+    _PER_FORWARD = ("aux_loss", "last_routing", "last_plan", "last_router_probs")
 
     def __deepcopy__(self, memo: dict) -> MoE:
         copy_ = type(self).__new__(type(self))
