@@ -405,6 +405,18 @@ def case_saved_as_shard(ctx: _Ctx, problems: list[str]) -> None:
         _same(problems, f"saved_as_shard under checkpoint grad {name}", got, ref)
     if ckpt_gathers != 1:  # the recompute's forward all-gather; the context added none
         problems.append(f"saved_as_shard under checkpoint: {ckpt_gathers} all-gathers in backward")
+    # the gathered tensor modified in place inside the context before an op saves it: a gather again would
+    # not give the saved values, so it is saved as it is (dW was 3x too small)
+    def scaled(keep: bool):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        full = F.all_gather(x, g)
+        with F.saved_as_shard(full, x, g) if keep else contextlib.nullcontext():
+            full.mul_(3.0)
+            out = torch.nn.functional.linear(full, w)
+        return torch.autograd.grad(out, (x, w), up)
+
+    for name, got, ref in zip(("x", "w"), scaled(True), scaled(False), strict=True):
+        _same(problems, f"saved_as_shard, full modified inside: grad {name}", got, ref)
     # a block modified in place after the forward: every rank raises before any collective
     x = x0.clone().requires_grad_()
     out = block(x, w0, True)

@@ -563,7 +563,8 @@ def saved_as_shard(
     gathers again in backward; this context does that for whatever runs inside it (smptk's kernels, torch's
     ops): a saved tensor that is a view of ``full``'s storage is packed as ``local`` (one reference, shared
     by every view and layer that saves it) and unpacked as the same view of a fresh all-gather, the same
-    collective with the same result. Other saved tensors pass through.
+    collective with the same result. Other saved tensors pass through, and so does a view saved after
+    ``full`` or ``local`` was modified in place inside the context (a gather again would not give it).
 
     Composes with ``saved_tensors_hooks`` around it (they see ``local`` where they would have seen
     ``full``), and does nothing inside torch's activation checkpointing (:func:`_shard_saving_applies`:
@@ -600,6 +601,9 @@ def saved_as_shard(
     # what pack compares against, not ``full`` itself: the hooks live as long as what they packed, and
     # holding ``full`` would keep it alive to backward, the memory this context is for
     device, storage = full.device, full.untyped_storage().data_ptr()
+    # a gather again gives the saved values only while neither tensor was written since the gather: a view
+    # shares its base's version counter, so a saved view of ``full`` shows ``full``'s writes
+    full_version, local_version = full._version, local._version
     group_name = g.group_name
     # The views packed and not yet unpacked, and the re-gathered tensor: kept from the first unpack to the
     # last, so the views that several ops saved share one gather (a graph kept for a second backward
@@ -608,7 +612,13 @@ def saved_as_shard(
 
     def pack(t: torch.Tensor):
         # plain tensors only: a subclass (a DTensor's wrapper) has no storage of its own to compare
-        if type(t) is torch.Tensor and t.device == device and t.untyped_storage().data_ptr() == storage:
+        if (
+            type(t) is torch.Tensor
+            and t.device == device
+            and t.untyped_storage().data_ptr() == storage
+            and t._version == full_version
+            and local._version == local_version
+        ):
             cache["pending"] += 1
             return _Shard(outer_pack(local) if outer_pack else local, local._version, t)
         return outer_pack(t) if outer_pack else t
