@@ -405,6 +405,7 @@ def case_saved_as_shard(ctx: _Ctx, problems: list[str]) -> None:
         _same(problems, f"saved_as_shard under checkpoint grad {name}", got, ref)
     if ckpt_gathers != 1:  # the recompute's forward all-gather; the context added none
         problems.append(f"saved_as_shard under checkpoint: {ckpt_gathers} all-gathers in backward")
+
     # the gathered tensor modified in place inside the context before an op saves it: a gather again would
     # not give the saved values, so it is saved as it is (dW was 3x too small)
     def scaled(keep: bool):
