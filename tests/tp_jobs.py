@@ -613,7 +613,19 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
     col_sp1 = ColumnParallelLinear(5, T, mesh=m, sequence_parallel=True, sequence_dim=1)
     uneven = distribute_tensor(torch.randn(2, 2 * T + 1, 5), m, [Shard(1)])  # unequal blocks (torch's split)
     ce = vocab_parallel_cross_entropy
+
+    def updated_before_backward(layer: nn.Module, x: torch.Tensor) -> None:
+        y = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # an in-place update of the DTensor: its local shard's version stays
+        y.sum().backward()
+
+    inplace = ("modified by an inplace operation", "expected version")
     cases = [  # (label, exception, words the message must hold, the call)
+        ("column weight updated", RuntimeError, (*inplace, "ColumnParallelLinear.weight"),
+         lambda: updated_before_backward(ColumnParallelLinear(5, T, mesh=m), torch.randn(2, 5))),
+        ("row weight updated", RuntimeError, (*inplace, "RowParallelLinear.weight"),
+         lambda: updated_before_backward(RowParallelLinear(2 * T, 5, mesh=m), torch.randn(3, 2))),
         ("out_features", ValueError, ("out_features", str(N), f"tensor-parallel size {T}"),
          lambda: ColumnParallelLinear(5, N, mesh=m)),
         ("in_features", ValueError, ("in_features", str(N), str(T)),

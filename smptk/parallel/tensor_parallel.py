@@ -306,6 +306,32 @@ def _check_seq_divisible(name: str, length: int, dim: int, shape: tuple, tp: int
 # ------------------------------------------------------------------------------------------------ layers
 
 
+def _check_versions_in_backward(layer: nn.Module, args: tuple, out: object) -> None:
+    """A forward hook: backward through ``out`` raises, as autograd does for a saved tensor, where one of the
+    layer's parameters was modified in place after the forward (an optimizer step, ``weight.mul_()``).
+
+    The kernels get each DTensor parameter's local shard (``to_local()``), whose version counter an in-place
+    op on the DTensor does not move: autograd's own check cannot see the update, and the backward computed
+    the input gradient with the new weights (torch's ``nn.Linear`` and DTensor styles raise). FSDP2's
+    gathered parameters are new tensors every forward, so their shards' updates never show here.
+    """
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or torch.compiler.is_compiling():
+        return
+    seen = [(name, p, p._version) for name, p in layer.named_parameters(recurse=False)]
+
+    def check(grad: torch.Tensor) -> None:
+        for name, p, version in seen:
+            if p._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: {type(layer).__name__}.{name} is at version {p._version}; expected version "
+                    f"{version} (it was updated between this layer's forward and its backward, e.g. by an "
+                    "optimizer step: step after backward)"
+                )
+
+    out.register_hook(check)
+
+
 class _TensorParallelLayer(nn.Module):
     """What every layer here shares: the mesh and its group, the sequence-parallel settings, the paths."""
 
@@ -319,6 +345,7 @@ class _TensorParallelLayer(nn.Module):
         self.last_path: str | None = None
         self.last_fused_reason: str | None = None  # why the fused path did not run (linear layers)
         self.last_kernel_path: str | None = None
+        self.register_forward_hook(_check_versions_in_backward)
 
     @property
     def group(self):
