@@ -593,3 +593,67 @@ def test_checkpointing_is_not_recommended_where_it_buys_nothing() -> None:
     optional = [c for c in adv.candidates if "optional (the same shape fits without it)" in c.reason]
     assert optional and all(c.config.activation_checkpointing != "none" for c in optional)
     assert not any("to fit" in c.reason and "checkpointing" in c.reason for c in optional)
+
+
+SIX_GPU_NODES = {
+    "gpu": "H100-6", "memory_gb": 80, "bf16_tflops": 989, "gpus_per_node": 6, "intra_node_gbps": 450,
+    "inter_node_gbps": 400,
+}  # fmt: skip
+
+
+def test_a_tensor_parallel_group_stays_inside_a_node() -> None:
+    """On 6-GPU nodes tp 4 made groups {4..7} across two nodes, priced at NVLink speed (qwen3-32b's top
+    pick at 2 nodes); tp must divide the GPUs per node."""
+    adv = advise("qwen3-32b", SIX_GPU_NODES, nodes=2, seq_len=8192)
+    tps = {c.config.tensor_parallel_degree for c in (*adv.candidates, *adv.rejected)}
+    assert tps <= {1, 2} and 2 in tps, tps
+
+
+def test_tp_predicted_faster_than_every_tp1_configuration_is_kept() -> None:
+    """Llama 3.1 70B on 3 p4de nodes: rule 3 rejected tp 2 (predicted 3.4x faster) because a tp 1
+    configuration fit, so the top pick ran at 13% MFU; a tp > 1 configuration now stays when the step
+    model predicts it faster per token than every tp 1 one, and the reason says so."""
+    adv = advise("llama3.1-70b", "p4de.24xlarge", nodes=3, seq_len=4096)
+    best = adv.best
+    assert best.config.tensor_parallel_degree > 1, best.reason
+    assert "predicted faster per token than every tp 1 configuration" in best.reason
+    per_token = best.time.step_s / best.global_batch_tokens
+    tp1 = [c for c in adv.candidates if c.config.tensor_parallel_degree == 1]
+    assert all(c.time.step_s / c.global_batch_tokens > per_token for c in tp1)
+    for c in adv.rejected:
+        if c.reason.startswith("TP not needed"):
+            assert c.time.step_s / c.global_batch_tokens >= per_token
+
+
+def test_a_global_batch_above_the_limit_is_refused_up_front() -> None:
+    """8M tokens was accepted, then advised 'at most 2 nodes' with arithmetic that left accumulation out."""
+    with pytest.raises(
+        ValueError, match=r"global_batch_tokens: expected an int from seq_len \(4096\) to the 4M"
+    ):
+        advise("llama3.1-8b", "p5", nodes=4, seq_len=4096, global_batch_tokens=8 * 2**20)
+    assert advise("llama3.1-8b", "p5", nodes=4, seq_len=4096, global_batch_tokens=4 * 2**20).candidates
+
+
+def test_moe_blocks_are_not_split_over_tp_in_the_step_time() -> None:
+    """smptk keeps MoE blocks whole on every tp rank: their FLOPs are not divided by tp (mixtral's compute at
+    tp 2 was half of tp 1's, though 88% of its active parameters are routed experts)."""
+    times = {
+        t: step_time("mixtral-8x7b", {"tensor_parallel_degree": t}, "p5", seq_len=4096).compute_s
+        for t in (1, 2)
+    }
+    assert 0.85 * times[1] < times[2] < times[1], times
+    dense = {
+        t: step_time("llama3.1-8b", {"tensor_parallel_degree": t}, "p5", seq_len=4096).compute_s
+        for t in (1, 2)
+    }
+    assert dense[2] == pytest.approx(dense[1] / 2)
+
+
+def test_plan_takes_the_node_count_of_a_cluster_file(capsys, tmp_path) -> None:
+    """A custom cluster file's "nodes" was overridden by --nodes' default 1."""
+    path = tmp_path / "six.json"
+    path.write_text(json.dumps(SIX_GPU_NODES | {"nodes": 4}))
+    assert main(["plan", "--model", "llama2-7b", "--instance", str(path), "--top", "1"]) == 0
+    assert "4 x 6 H100-6" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama2-7b", "--instance", str(path), "--nodes", "2", "--top", "1"]) == 0
+    assert "2 x 6 H100-6" in capsys.readouterr().out

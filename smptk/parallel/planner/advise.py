@@ -15,8 +15,10 @@ else one micro-batch per rank.
    (4 * 2**20): beyond it, large-batch training loses sample efficiency, and more data parallelism
    cannot help; that is when tensor parallelism earns its communication;
 3. tensor parallelism only when needed: if some ``tp = 1`` configuration passes 1 and 2 and the sequence
-   is shorter than 8192 tokens, configurations with ``tp > 1`` are rejected (FSDP does not shard
-   activations, so long sequences are where TP's activation split pays);
+   is shorter than 8192 tokens, configurations with ``tp > 1`` are rejected unless the step-time model
+   predicts them faster per token than every ``tp = 1`` one (FSDP does not shard activations, so long
+   sequences are where TP's activation split pays; across many nodes FSDP's traffic can cost more than
+   TP's inside a node); a tp group always sits inside one node (``tp`` divides the GPUs per node);
 4. the smallest sharding degree that fits: for the same tp, ep, checkpointing and micro-batch, only the
    smallest ``dp_shard`` that fits is kept (less sharding keeps the collectives inside fewer, closer
    ranks).
@@ -228,6 +230,16 @@ def _link(span: int, cl: Cluster) -> tuple[float, float]:
     return cl.inter_node_bytes_per_gpu, cl.inter_latency_us * 1e-6
 
 
+def _moe_active_params(spec: ModelSpec) -> float:
+    """Parameters of the MoE blocks one token uses (the router, ``experts_per_token`` routed experts, the
+    shared experts), summed over the MoE layers; 0 for a dense model."""
+    return sum(
+        t.numel * (spec.experts_per_token / spec.num_experts if t.split == "experts" else 1)
+        for t in spec.tensors()
+        if t.name.startswith("moe.")
+    )
+
+
 def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     """Training FLOPs per token without recomputation: ``6 N_active`` (minus the embedding lookup, plus a
     tied head's product) and causal attention ``6 s d_attn`` per layer (``d_attn``: heads x q/k width,
@@ -278,7 +290,11 @@ def step_time(
     attn_core = 3 * L * seq_len * spec.num_heads * (spec.q_head_dim + spec.v_dim) / 3  # one forward
     block_fwd = (mflops_tok - 6 * spec.vocab_size * spec.hidden_size) / 3  # blocks' forward per token
     recompute = {"none": 0.0, "selective": attn_core, "full": block_fwd}[cfg.activation_checkpointing]
-    hw_flops_gpu = tokens_rank * (mflops_tok + recompute) / t
+    # smptk keeps MoE blocks (router, routed and shared experts) whole on every tp rank: their FLOPs are not
+    # split over tp (the recompute's share of them likewise)
+    whole = 6 * _moe_active_params(spec) if t > 1 else 0.0
+    rec_whole = whole / 3 if cfg.activation_checkpointing == "full" else 0.0
+    hw_flops_gpu = tokens_rank * ((mflops_tok - whole + recompute - rec_whole) / t + whole + rec_whole)
     peak = cl.gpu.bf16_tflops * 1e12
     compute = hw_flops_gpu / (peak * compute_efficiency)
 
@@ -327,7 +343,8 @@ def _divisors(n: int) -> list[int]:
 
 def _tp_options(spec: ModelSpec, cl: Cluster) -> list[int]:
     out, t = [], 1
-    while t <= cl.gpus_per_node and cl.world_size % t == 0:
+    # a tp group must sit inside one node: t divides the node's GPUs (tp 4 on 6-GPU nodes spans two nodes)
+    while t <= cl.gpus_per_node and cl.gpus_per_node % t == 0 and cl.world_size % t == 0:
         if tp_problem(spec, t) is None:
             out.append(t)
         t *= 2
@@ -364,10 +381,13 @@ def advise(
     if loss not in LOSSES:
         raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
     if global_batch_tokens is not None and (
-        not isinstance(global_batch_tokens, int) or global_batch_tokens < seq_len
+        isinstance(global_batch_tokens, bool)
+        or not isinstance(global_batch_tokens, int)
+        or not seq_len <= global_batch_tokens <= MAX_GLOBAL_BATCH_TOKENS
     ):
         raise ValueError(
-            f"global_batch_tokens: expected an int >= seq_len ({seq_len}), got {global_batch_tokens!r}"
+            f"global_batch_tokens: expected an int from seq_len ({seq_len}) to the 4M-token limit "
+            f"({MAX_GLOBAL_BATCH_TOKENS:,}, rule 2), got {global_batch_tokens!r}"
         )
     memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
     kept, rejected = [], []
@@ -417,14 +437,15 @@ def advise(
                 tm = step_time(spec, cfg, cl, seq_len=seq_len, micro_batch=mb, grad_accum=accum,
                                compute_efficiency=compute_efficiency)  # fmt: skip
                 kept.append(Candidate(cfg, mb, accum, gbt, est, tm, True, ""))
-    # Rule 3: tensor parallelism only when needed.
-    if seq_len < LONG_SEQUENCE and any(c.config.tensor_parallel_degree == 1 for c in kept):
+    # Rule 3: tensor parallelism only when needed (or predicted faster than every tp 1 configuration).
+    tp1 = [c.time.step_s / c.global_batch_tokens for c in kept if c.config.tensor_parallel_degree == 1]
+    if seq_len < LONG_SEQUENCE and tp1:
+        best_tp1 = min(tp1)
         survivors = []
         for c in kept:
-            if c.config.tensor_parallel_degree > 1:
-                rejected.append(
-                    dataclasses.replace(c, reason="TP not needed: a tp 1 configuration fits the batch limit")
-                )
+            if c.config.tensor_parallel_degree > 1 and c.time.step_s / c.global_batch_tokens >= best_tp1:
+                why = "TP not needed: a tp 1 configuration fits the batch limit and is predicted as fast"
+                rejected.append(dataclasses.replace(c, reason=why))
             else:
                 survivors.append(c)
         kept = survivors
@@ -452,9 +473,10 @@ def advise(
     )
     plain = {_fit_key(c) for c in survivors if c.config.activation_checkpointing == "none"}
     tp1_fits = any(c.fits and c.config.tensor_parallel_degree == 1 for c in (*kept, *rejected))
+    tp1_kept = any(c.config.tensor_parallel_degree == 1 for c in survivors)
     ranked = []
     for i, c in enumerate(survivors):
-        why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain, tp1_fits=tp1_fits)
+        why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain, tp1_fits=tp1_fits, tp1_kept=tp1_kept)
         ranked.append(dataclasses.replace(c, reason=why))
     suggestions = (
         _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss)
@@ -484,14 +506,24 @@ def _fit_key(c: Candidate) -> tuple:
     )
 
 
-def _why(c: Candidate, first: bool, seq_len: int, needed: bool = True, tp1_fits: bool = False) -> str:
-    """``tp1_fits``: some tp 1 configuration fits in memory (but was rejected for its global batch)."""
+def _why(
+    c: Candidate,
+    first: bool,
+    seq_len: int,
+    needed: bool = True,
+    tp1_fits: bool = False,
+    tp1_kept: bool = False,
+) -> str:
+    """``tp1_fits``: some tp 1 configuration fits in memory (but was rejected for its global batch);
+    ``tp1_kept``: some tp 1 configuration passed every rule (a tp > 1 one beside it is predicted faster)."""
     sz = c.estimate.sizes
     parts = ["fastest predicted" if first else "fits"]
     parts.append(f"smallest sharding that fits at this shape (dp_shard {sz['dp_shard']})")
     if sz["tp"] > 1:
         if seq_len >= LONG_SEQUENCE:
             parts.append(f"tp {sz['tp']}: long sequence ({seq_len})")
+        elif tp1_kept:
+            parts.append(f"tp {sz['tp']}: predicted faster per token than every tp 1 configuration")
         elif tp1_fits:
             parts.append(f"tp {sz['tp']}: fewer data-parallel ranks keep the global batch within bounds")
         else:

@@ -39,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help=f"a cluster preset ({', '.join(CLUSTERS)}) or a JSON file of a custom cluster",
     )
-    p.add_argument("--nodes", type=int, default=1, help="nodes of the instance (default 1)")
+    p.add_argument(
+        "--nodes", type=int, default=None,
+        help="nodes of the instance (default: a custom cluster file's \"nodes\", else 1)",
+    )  # fmt: skip
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument(
         "--global-batch-tokens", type=int, help="the global batch to reach (accumulation fills it)"
@@ -69,7 +72,7 @@ def _load_config(text: str) -> Any:
     return text
 
 
-def _load_cluster(text: str, nodes: int):
+def _load_cluster(text: str, nodes: int | None):
     if os.path.exists(text) and text.endswith(".json"):
         with open(text) as f:
             try:
