@@ -657,3 +657,23 @@ def test_plan_takes_the_node_count_of_a_cluster_file(capsys, tmp_path) -> None:
     assert "4 x 6 H100-6" in capsys.readouterr().out
     assert main(["plan", "--model", "llama2-7b", "--instance", str(path), "--nodes", "2", "--top", "1"]) == 0
     assert "2 x 6 H100-6" in capsys.readouterr().out
+
+
+def test_nothing_fits_names_the_nearest_node_counts_that_do() -> None:
+    """Mixtral 8x7B fits on 2 and 4 p5 nodes but not on 3 (its experts' width does not divide over 24
+    data-parallel ranks): the advice said only "buy a larger GPU", and its "smallest configuration" tried
+    full sharding alone (mixtral-8x22b on a GB200 NVL72: 273.6 GiB; the search's own smallest: 217.1)."""
+    adv = advise("mixtral-8x7b", "p5", nodes=3, seq_len=4096)
+    assert adv.best is None
+    text = " | ".join(adv.suggestions)
+    assert "2 nodes (16 GPUs) would fit" in text and "4 nodes (32 GPUs) would fit" in text, text
+    big = advise("mixtral-8x22b", "gb200-nvl72", seq_len=4096)
+    assert big.best is None
+    smallest = min(
+        c.estimate.total_bytes
+        for c in big.rejected
+        if c.micro_batch == 1
+        and c.config.activation_checkpointing == "full"
+        and c.config.sm_activation_offloading
+    )
+    assert f"needs {smallest / 2**30:.1f} GiB per GPU" in big.suggestions[0], big.suggestions

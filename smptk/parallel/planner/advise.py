@@ -55,6 +55,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping
 from typing import Any
@@ -171,8 +172,8 @@ class Advice:
         (None, 0, 200)
         >>> for suggestion in adv.suggestions:
         ...     print(suggestion)
-        the smallest configuration (full sharding, the largest tp, full checkpointing + offloading,
-        micro-batch 1) needs 136.5 GiB per GPU; 39.5 GiB are available
+        the smallest configuration (every tp, sharding degree and ep tried; full checkpointing +
+        offloading, micro-batch 1) needs 136.5 GiB per GPU; 39.5 GiB are available
         4 nodes (32 GPUs) would fit: 35.3 GiB per GPU
         a larger GPU: 1 x gb200-nvl72 = 72 GPUs (B200 (GB200)) would fit: 16.7 GiB per GPU
         >>> advise("llama2-70b", "p4d.24xlarge", nodes=4, seq_len=4096).best.label()  # taking the advice
@@ -537,23 +538,28 @@ def _why(
 
 
 def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss) -> int | None:
-    """The smallest estimate over the search (every configuration, micro-batch 1)."""
+    """The smallest estimate over the search's degrees (tp, sharding degree, ep; full checkpointing +
+    offloading, micro-batch 1). Not only full sharding: where stacked experts cannot shard evenly over
+    every data-parallel rank, a smaller sharding degree can hold less (``expert_shard_dim``)."""
     best = None
     for t in _tp_options(spec, cl):
         if t > 1 and seq_len % t:
             continue
-        eps = [e for e in _divisors(cl.world_size // t) if spec.num_experts % e == 0] if spec.is_moe else [1]
-        for ep in eps:
-            cfg = ParallelConfig(
-                tensor_parallel_degree=t, expert_parallel_degree=ep, activation_checkpointing="full",
-                sm_activation_offloading=True, mixed_precision=mixed_precision,
-            )  # fmt: skip
-            try:
-                est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=1, cluster=cl,
-                                      optimizer=optimizer, attention=attention, loss=loss)  # fmt: skip
-            except ValueError:
-                continue
-            best = est.total_bytes if best is None else min(best, est.total_bytes)
+        dp = cl.world_size // t
+        for hsd in _divisors(dp):
+            eps = [e for e in _divisors(hsd) if spec.num_experts % e == 0] if spec.is_moe else [1]
+            for ep in eps:
+                cfg = ParallelConfig(
+                    tensor_parallel_degree=t, hybrid_shard_degree=0 if hsd == dp and dp > 1 else hsd,
+                    expert_parallel_degree=ep, activation_checkpointing="full", sm_activation_offloading=True,
+                    mixed_precision=mixed_precision,
+                )  # fmt: skip
+                try:
+                    est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=1, cluster=cl,
+                                          optimizer=optimizer, attention=attention, loss=loss)  # fmt: skip
+                except ValueError:
+                    continue
+                best = est.total_bytes if best is None else min(best, est.total_bytes)
     return best
 
 
@@ -581,19 +587,31 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
     out = []
     memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
     least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss)
+
+    @functools.cache
+    def least_on(nodes: int) -> int | None:
+        return _min_total(spec, cl.with_nodes(nodes), seq_len, optimizer, attention, mixed_precision, loss)
+
+    def _fits_on(nodes: int) -> bool:
+        m = least_on(nodes)
+        return m is not None and m <= memory
+
     if least is not None:
         out.append(
-            f"the smallest configuration (full sharding, the largest tp, full checkpointing + offloading, "
-            f"micro-batch 1) needs {least / 2**30:.1f} GiB per GPU; {memory / 2**30:.1f} GiB are available"
+            f"the smallest configuration (every tp, sharding degree and ep tried; full checkpointing + "
+            f"offloading, micro-batch 1) needs {least / 2**30:.1f} GiB per GPU; {memory / 2**30:.1f} GiB are "
+            "available"
         )
-    for n in (2, 4, 8, 16, 32, 64):
-        bigger = cl.with_nodes(cl.nodes * n)
-        m = _min_total(spec, bigger, seq_len, optimizer, attention, mixed_precision, loss)
-        if m is not None and m <= memory:
-            out.append(
-                f"{bigger.nodes} nodes ({bigger.world_size} GPUs) would fit: {m / 2**30:.1f} GiB per GPU"
-            )
-            break
+    # The nearest node counts that fit, fewer and more: with stacked experts, more nodes can need more
+    # memory per GPU (an expert dimension that no longer divides over the data-parallel ranks)
+    near = [n for n in range(max(1, cl.nodes - 8), cl.nodes + 9) if n != cl.nodes]
+    far = [cl.nodes * m for m in (16, 32, 64)]
+    fewer = next((n for n in reversed(near) if n < cl.nodes and _fits_on(n)), None) if cl.nodes > 1 else None
+    more = next((n for n in (*[n for n in near if n > cl.nodes], *far) if _fits_on(n)), None)
+    for n in (fewer, more):
+        if n is not None:
+            gpus = cl.with_nodes(n).world_size
+            out.append(f"{n} nodes ({gpus} GPUs) would fit: {least_on(n) / 2**30:.1f} GiB per GPU")
     for name, other in CLUSTERS.items():
         if other.gpu.memory_bytes <= cl.gpu.memory_bytes:
             continue
