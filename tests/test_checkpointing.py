@@ -262,8 +262,8 @@ def test_offloading_brings_a_units_other_inputs_before_the_next_unit() -> None:
 
 def test_offloading_one_backward_over_two_forwards() -> None:
     """Two forwards, then one backward over both (two micro-batches' losses summed): gradients equal the
-    plain model's, every stored input comes back once (a used one was prefetched again, and its device
-    copy held until the next forward), and no host copy stays listed after backward."""
+    plain model's, every stored input comes back once (the first forward's last block is prefetched from
+    the second's first), and no host copy stays listed after backward."""
     plain, model = _model(4), _model(4)
     off = parallel.ActivationOffloader(2, offload_cpu=True)
     apply_activation_checkpointing(model, mode="full", offloader=off)
@@ -309,6 +309,124 @@ def test_offloading_keeps_the_value_a_unit_saw_under_a_later_in_place_write() ->
         torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _records_held(off: parallel.ActivationOffloader) -> int:
+    """Inputs the offloader still lists as away whose host copies are alive."""
+    return sum(ref() is not None for refs in off._away.values() for ref in refs)
+
+
+def test_offloading_two_micro_batches_in_flight_keeps_each_backward_to_its_own_forward() -> None:
+    """F1 F2 B1 B2 (a 1F1B pipeline stage; every forward, then each loss's backward): B1 loads F1's inputs
+    only, on demand and then prefetched, so at most ``horizon`` blocks' inputs are on the device; F2's stay
+    on the host until B2 loads them the same way (B1 used to prefetch F2's by block index and hold every
+    one of them to B2). Gradients equal the plain model's, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    plain = _model(4)
+    plain(a).square().sum().backward()
+    plain(b).square().sum().backward()
+    model = _model(4)
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    apply_activation_checkpointing(model, mode="full", offloader=off)
+    loss_a, loss_b = model(a).square().sum(), model(b).square().sum()
+    one_backward = [("load", 3, "on demand")] + [("load", i, "prefetch") for i in (2, 1, 0)]
+    off.log.clear()
+    loss_a.backward()
+    assert list(off.log) == one_backward, off.log
+    assert _records_held(off) == 4 and all(r().back is None for refs in off._away.values() for r in refs)
+    off.log.clear()
+    loss_b.backward()
+    assert list(off.log) == one_backward, off.log
+    assert _records_held(off) == 0
+    for name, g in _grads(plain).items():
+        assert torch.equal(_grads(model)[name], g), name
+
+
+def test_offloading_follows_call_order_and_frees_a_dropped_graphs_copies() -> None:
+    """Prefetch goes by the order the blocks ran, not the order they were registered: blocks called last
+    to first still have their inputs prefetched one block ahead (they all came on demand). A graph
+    dropped without backward takes its host copies with it."""
+    model = _model(4)
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    apply_activation_checkpointing(model, mode="full", offloader=off)
+
+    def backwards(x):
+        h = model.inp(x)
+        for blk in reversed(model.blocks):
+            h = blk(h)
+        return model.head(h)
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    backwards(x).square().sum().backward()
+    assert [e for e in off.log if e[0] == "load"] == [
+        ("load", 0, "on demand"), ("load", 1, "prefetch"), ("load", 2, "prefetch"), ("load", 3, "prefetch")
+    ], off.log  # fmt: skip
+    loss = model(x).sum()
+    assert _records_held(off) == 4
+    del loss
+    assert _records_held(off) == 0
+
+
+def test_offloading_refuses_an_in_place_write_through_aliased_inputs() -> None:
+    """A block given two inputs that share memory (``t`` and ``t[:, :3]``) that writes one in place: the
+    host copies are separate tensors, so the recompute would not see the write through the other (the
+    gradients came out wrong by up to 1e2, silently); plain checkpointing raises in backward, the
+    offloader where the block's forward ends. One input written in place stays exact (the recompute
+    starts from the value the block saw)."""
+
+    class Pair(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            x.mul_(2)
+            return self.inner(x) * y.sum(-1, keepdim=True)
+
+    model = _model(2)
+    model.blocks = nn.ModuleList([Pair(b) for b in model.blocks])
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    apply_activation_checkpointing(model, mode="full", offloader=off)
+    t = model.inp(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))) * 1.0
+    with pytest.raises(RuntimeError, match="wrote in place to one of 2 inputs that share memory"):
+        model.blocks[0](t, t[:, :3])
+    y = model.blocks[0](t * 1.0, t.detach()[:, :3].clone())  # separate memory: offloaded, no error
+    assert y.shape == (5, 6)
+
+
+def test_offloading_leaves_parameters_and_warns_about_keyword_inputs() -> None:
+    """What torch's checkpoint keeps in its recompute (keyword arguments, tensors inside tuples) is not
+    offloaded: a block that gets its hidden state that way warns once (it used to offload nothing,
+    silently); a parameter given positionally is not copied (it stays on the device anyway); blocks
+    with positional inputs warn about nothing."""
+
+    class Keyword(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x=None, scale=None):
+            return self.inner(x) * scale
+
+    model = _model(2)
+    model.blocks = nn.ModuleList([Keyword(b) for b in model.blocks])
+    scale = nn.Parameter(torch.full((6,), 1.5))
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    apply_activation_checkpointing(model, mode="full", offloader=off)
+    h = model.inp(torch.randn(5, 4))
+    with pytest.warns(UserWarning, match="unit 0 .*keyword arguments or inside containers.*nothing of it"):
+        model.blocks[0](x=h, scale=scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.blocks[0](x=h, scale=scale)  # once per unit
+        off.log.clear()
+        model.blocks[1](h * 1.0, scale).sum().backward()
+    assert [e for e in off.log if e[0] == "store"] == [("store", 1)], off.log  # h, not the parameter
+
+
 def test_offloading_from_the_config_and_bad_arguments() -> None:
     cfg = ParallelConfig(activation_checkpointing="selective", sm_activation_offloading=True)
     model = _model()
@@ -317,8 +435,11 @@ def test_offloading_from_the_config_and_bad_arguments() -> None:
     _, grads_plain = _backward_ops(_model())
     for name, g in grads_plain.items():
         assert torch.equal(grads[name], g), name
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="horizon: expected an int >= 1"):
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=r"horizon: expected an int >= 1, got -?[01]"):
+            parallel.ActivationOffloader(bad)
+    for bad in (1.5, 2.0, True, "2"):
+        with pytest.raises(TypeError, match=r"horizon: expected an int >= 1, got (float|bool|str)"):
             parallel.ActivationOffloader(bad)
     with pytest.raises(TypeError, match="offloader: expected an ActivationOffloader"):
         apply_activation_checkpointing(_model(), mode="full", offloader="cpu")

@@ -22,12 +22,14 @@ torch.distributed.checkpoint see the model unchanged):
 Offloading (``sm_activation_offloading``, :class:`ActivationOffloader`): what a checkpointed unit keeps,
 its inputs, moves to pinned CPU memory during forward (a copy on a side stream, overlapping the unit's own
 compute; the compute stream waits for it where the unit ends, so no later in-place write can race it) and
-comes back ahead of backward: when backward reaches unit i, the inputs of
-units i-1 .. i-(horizon-1) start their copies back on another side stream, so at most
-``activation_loading_horizon`` units' inputs are on the GPU at once and the copies overlap the
-backward of the units after them. The inputs are caught as torch's checkpoint saves them (a saved-tensor
-hook around each unit's forward, outside the checkpoint's own), so the recompute and everything it
-saves inside the unit are untouched. CPU tensors stay where they are (there is nowhere to offload to).
+comes back ahead of backward: when backward reaches a unit forward, the inputs of the horizon - 1 unit
+forwards that ran before it (call order: micro-batches in flight and blocks called in any order keep to
+their own) start their copies back on another side stream, so at most ``activation_loading_horizon``
+units' inputs are on the GPU at once and the copies overlap the backward of the units after them. The
+inputs are caught as torch's checkpoint saves them (a saved-tensor hook around each unit's forward,
+outside the checkpoint's own): its positional tensor arguments, so the recompute and everything it saves
+inside the unit are untouched, and keyword arguments stay on the device (see :class:`ActivationOffloader`).
+CPU tensors stay where they are (there is nowhere to offload to).
 
 Apply it before :func:`~smptk.parallel.apply_data_parallel` (as torchtitan applies AC before FSDP): FSDP2
 gathers a unit's parameters again for its recompute.
@@ -46,6 +48,8 @@ import collections
 import dataclasses
 import functools
 import inspect
+import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -130,7 +134,8 @@ def _selective_contexts():
 class _Offloaded:
     """One saved tensor while it is away: its host copy, and where (and whether) it is coming back."""
 
-    unit: int
+    unit: int  # the unit's index (what the log names)
+    entry: int  # which unit forward saved it: the offloader's count of unit forwards, in call order
     host: torch.Tensor
     device: torch.device
     stored: object = None  # CUDA event: the device-to-host copy is done
@@ -144,16 +149,31 @@ LOG_ENTRIES = 4096  # events ActivationOffloader.log keeps (two per unit and ste
 
 class ActivationOffloader:
     """Saved-tensor hooks that keep checkpointed units' inputs in host memory between forward and
-    backward, and bring them back while backward is at most ``horizon - 1`` units before them (see the
-    module docstring). Each input comes back once, and its host copy is dropped from the prefetch list
-    once backward has read it; one backward over several forwards (micro-batch losses summed) prefetches
-    the last forward's inputs and loads the earlier ones on demand.
+    backward, and bring them back while backward is at most ``horizon - 1`` unit forwards before them
+    (see the module docstring).
+
+    "Before" is call order: the offloader numbers every unit forward it sees (its *entries*), and when
+    backward first reads an input of entry n it loads the rest of entry n's inputs and those of entries
+    n-1 .. n-(horizon-1) that backward has not read yet. So blocks called in any order, a block called
+    twice in one forward, and several micro-batches' forwards in flight before their backwards
+    (F1 F2 B1 B2) all keep at most ``horizon`` entries' inputs on the device (B1 never loads F2's). Each
+    input comes back once; its host copy lives as long as the graph that saved it (a graph dropped
+    without backward frees its copies).
+
+    What is offloaded: the unit's positional tensor arguments, as torch's checkpoint saves them.
+    Keyword arguments and tensors inside containers stay on the device (the checkpoint's recompute keeps
+    them; a unit that gets tensors that way and none positionally warns once), and so do parameters
+    (leaves that require grad: they stay on the device anyway) and empty or expanded tensors. Each input
+    is copied on its own, so two inputs that share memory come back as separate tensors: a unit whose
+    forward writes in place to one of them raises (its recompute would not see the write through the
+    other, and its gradients would be wrong); plain checkpointing raises there too, in backward.
 
     Args:
-        horizon: units whose inputs may be on the device at once in backward, >= 1 (the config's
-            ``activation_loading_horizon``).
+        horizon: unit forwards whose inputs may be on the device at once in backward, >= 1 (the
+            config's ``activation_loading_horizon``).
         offload_cpu: also copy CPU tensors (to another CPU tensor): the same bookkeeping and order on a
-            machine without a GPU, for tests; off by default (a CPU tensor has nowhere to go).
+            machine without a GPU, for tests; off by default (a CPU tensor has nowhere to go). Tensors
+            of other accelerators than CUDA are copied to CPU memory and back without side streams.
 
     Attributes:
         log: ``("store", unit)`` / ``("load", unit, "prefetch" | "on demand")`` events, in order: the
@@ -170,22 +190,29 @@ class ActivationOffloader:
     """
 
     def __init__(self, horizon: int = 2, *, offload_cpu: bool = False) -> None:
-        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+        if isinstance(horizon, bool) or not isinstance(horizon, int):
+            raise TypeError(f"horizon: expected an int >= 1, got {type(horizon).__name__} {horizon!r}")
+        if horizon < 1:
             raise ValueError(f"horizon: expected an int >= 1, got {horizon!r}")
         self.horizon = horizon
         self.offload_cpu = offload_cpu
         self.log: collections.deque[tuple] = collections.deque(maxlen=LOG_ENTRIES)
-        self._away: dict[int, list[_Offloaded]] = {}
+        # entry -> its inputs still away, weakly: the graph that saved them owns them
+        self._away: dict[int, list[weakref.ref[_Offloaded]]] = {}
+        self._entries = 0  # unit forwards seen
         self._streams: dict[torch.device, tuple] = {}
+        self._warned: set[int] = set()
 
     def _side_streams(self, device: torch.device):
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
 
-    def _pack(self, unit: int, t: torch.Tensor):
+    def _pack(self, unit: int, entry: int, seen: list, t: torch.Tensor):
         small = t.untyped_storage().nbytes() < t.numel() * t.element_size()  # expanded: e.g. a stand-in
-        if t.numel() == 0 or small or (t.device.type == "cpu" and not self.offload_cpu):
+        stays = (t.is_leaf and t.requires_grad) or t.device.type == "meta"
+        if t.numel() == 0 or small or stays or (t.device.type == "cpu" and not self.offload_cpu):
+            seen.append((t, _version(t), False))
             return t  # nothing to move (torch 2.11's checkpoint also saves an empty placeholder tensor)
         if t.device.type == "cuda":
             store, _ = self._side_streams(t.device)
@@ -194,10 +221,12 @@ class ActivationOffloader:
                 host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
             t.record_stream(store)  # its memory is not reused before the copy has read it
-            away = _Offloaded(unit, host, t.device, stored=store.record_event())
-        else:
-            away = _Offloaded(unit, t.detach().clone(), t.device)
-        self._away.setdefault(unit, []).append(away)
+            away = _Offloaded(unit, entry, host, t.device, stored=store.record_event())
+        else:  # CPU (offload_cpu: a copy), or another accelerator: to CPU memory, synchronously
+            host = t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
+            away = _Offloaded(unit, entry, host, t.device)
+        seen.append((t, _version(t), True))
+        self._away.setdefault(entry, []).append(weakref.ref(away))
         self.log.append(("store", unit))
         return away
 
@@ -206,7 +235,7 @@ class ActivationOffloader:
             return
         self.log.append(("load", away.unit, how))
         if away.device.type != "cuda":
-            away.back = away.host.clone()
+            away.back = away.host.clone() if away.device.type == "cpu" else away.host.to(away.device)
             return
         _, load = self._side_streams(away.device)
         if how == "on demand":
@@ -220,10 +249,12 @@ class ActivationOffloader:
         if not isinstance(away, _Offloaded):
             return away
         self._load(away, "on demand")
-        # then the rest of this unit's tensors (backward reads them next), then the units it reaches after
-        for unit in range(away.unit, away.unit - self.horizon, -1):
-            for ahead in self._away.get(unit, []):
-                self._load(ahead, "prefetch")
+        # then the rest of this entry's tensors (backward reads them next), then the entries before it
+        for entry in range(away.entry, away.entry - self.horizon, -1):
+            for ref in self._away.get(entry, []):
+                ahead = ref()
+                if ahead is not None:
+                    self._load(ahead, "prefetch")
         t = away.back
         if away.loaded is not None:
             current = torch.cuda.current_stream(away.device)
@@ -231,41 +262,113 @@ class ActivationOffloader:
             t.record_stream(current)
         away.back = away.loaded = None  # the device copy lives as long as backward needs it, no longer
         away.used = True
-        ours = self._away.get(away.unit, [])
-        if any(a is away for a in ours):  # its host copy goes with the graph (kept for a retain_graph rerun)
-            ours[:] = [a for a in ours if a is not away]
+        ours = self._away.get(away.entry)
+        if ours is not None:  # its host copy goes with the graph (kept for a retain_graph rerun)
+            ours[:] = [r for r in ours if r() is not None and r() is not away]
+            if not ours:
+                del self._away[away.entry]
         return t
 
-    def _copies_done(self, unit: int) -> None:
-        """The compute stream waits for ``unit``'s device-to-host copies (issued as it saved its inputs, so
+    def _forget_dead(self) -> None:
+        """Drop the entries whose inputs are all gone (their graphs were freed, read or not)."""
+        for entry in [e for e, refs in self._away.items() if all(r() is None for r in refs)]:
+            del self._away[entry]
+
+    def _copies_done(self, entry: int) -> None:
+        """The compute stream waits for an entry's device-to-host copies (issued as it saved its inputs, so
         they overlapped its forward) before anything after the unit runs: an in-place write to an input
         later on (plain torch reports it in backward; with saved-tensor hooks torch checks nothing) cannot
         race the copy, and backward sees the value the unit saw."""
-        for away in self._away.get(unit, []):
-            if away.stored is not None:
+        for ref in self._away.get(entry, []):
+            away = ref()
+            if away is not None and away.stored is not None:
                 torch.cuda.current_stream(away.device).wait_event(away.stored)
 
-    def attach(self, unit: nn.Module, index: int) -> None:
-        """Offload what ``unit`` (the ``index``-th in forward order) saves outside its own checkpoint:
-        a forward pre-hook ahead of every other enters the hooks, a forward hook after them leaves."""
-        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index), self._unpack)
-        entered = [False]
+    def _check_unit_forward(self, module: nn.Module, unit: int, seen: list, elsewhere: bool) -> None:
+        """After a unit's forward: refuse an in-place write to an offloaded input that shares memory with
+        another input (see the class docstring); warn once when the unit's tensors all came in keyword
+        arguments or containers (``elsewhere``), which torch's checkpoint keeps on the device."""
+        by_storage: dict[tuple, list] = {}
+        for t, version, _ in seen:
+            if t.device.type != "meta":
+                by_storage.setdefault(_storage_key(t), []).append((t, version))
+        offloaded = {_storage_key(t) for t, _, moved in seen if moved}
+        for key, group in by_storage.items():
+            if key in offloaded and len(group) > 1 and any(_version(t) != v for t, v in group):
+                raise RuntimeError(
+                    f"activation offloading: unit {unit} ({type(module).__name__}) wrote in place to one of "
+                    f"{len(group)} inputs that share memory; their offloaded copies are separate tensors, so "
+                    "the recompute would not see the write through the others and the gradients would be "
+                    "wrong. Pass one tensor (or clones), or do not write to the input in place."
+                )
+        if elsewhere and not any(moved for _, _, moved in seen) and unit not in self._warned:
+            self._warned.add(unit)
+            warnings.warn(
+                f"activation offloading: unit {unit} ({type(module).__name__}) got its tensors as keyword "
+                "arguments or inside containers, which torch's checkpoint keeps on the device: nothing of "
+                "it is offloaded. Pass the hidden state positionally.",
+                stacklevel=2,
+            )
 
-        def enter(module, args):
+    def attach(self, unit: nn.Module, index: int) -> None:
+        """Offload what ``unit`` saves outside its own checkpoint (its positional tensor inputs, see the
+        class docstring), naming it ``index`` in the log: a forward pre-hook ahead of every other enters
+        the saved-tensor hooks, a forward hook after them leaves."""
+        state: list = [None]  # (hooks, seen, elsewhere) of the unit forward in progress
+
+        def enter(module, args, kwargs):
             # not in backward: a checkpoint's recompute runs the forward again, and must keep its own hooks
-            if torch._C._current_graph_task_id() == -1:
-                self._away[index] = []  # this forward's saves replace the last one's
+            if torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled():
+                entry = self._entries
+                self._entries += 1
+                self._forget_dead()
+                self._away[entry] = []
+                seen: list = []
+                hooks = torch.autograd.graph.saved_tensors_hooks(
+                    functools.partial(self._pack, index, entry, seen), self._unpack
+                )
+                nested = [v for a in args if not isinstance(a, torch.Tensor) for v in _tensors_in(a)]
+                elsewhere = bool(nested) or any(_tensors_in(v) for v in kwargs.values())
                 hooks.__enter__()
-                entered[0] = True
+                state[0] = (hooks, entry, seen, elsewhere)
 
         def leave(module, args, output):
-            if entered[0]:
+            if state[0] is not None:
+                hooks, entry, seen, elsewhere = state[0]
+                state[0] = None
                 hooks.__exit__(None, None, None)
-                entered[0] = False
-                self._copies_done(index)
+                self._copies_done(entry)
+                try:
+                    self._check_unit_forward(module, index, seen, elsewhere)
+                finally:
+                    # the pack hook (which holds ``seen``) lives as long as the graph: holding the inputs
+                    # here would keep them on the device to backward
+                    seen.clear()
 
-        unit.register_forward_pre_hook(enter, prepend=True)
+        unit.register_forward_pre_hook(enter, prepend=True, with_kwargs=True)
         unit.register_forward_hook(leave, always_call=True)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Where ``t``'s memory is (a DTensor's: its local shard's)."""
+    t = getattr(t, "_local_tensor", t)
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in ``value``, looking inside lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 def apply_activation_checkpointing(
