@@ -574,6 +574,88 @@ def test_materialize_resets_a_moe_once(world1) -> None:
         assert torch.equal(got, want), name
 
 
+def test_materialize_decides_the_same_on_a_rank_whose_expert_shard_is_empty() -> None:
+    """FSDP2 over 4 ranks shards 2 experts' rows on dim 0: ranks 2 and 3 hold none. materialize skipped the
+    experts (MoE's reset wrote them) by a NaN test of the local values, which an empty shard cannot pass:
+    those ranks drew the experts again, and every later layer (the head here) got other values there,
+    silently. Now that rank's shard of the head is the eager head's rows (this process plays rank 3 on
+    torch's fake process group; one rank per process: torch keeps a mesh's coordinates across groups)."""
+    from helpers import fake_world
+
+    rank = 3
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([parallel.MoE(6, 6, num_experts=2, top_k=1)])
+            self.head = nn.Linear(6, 8)
+
+    with fake_world(4, rank=rank):
+        state = parallel.init({"random_seed": 3, "mixed_precision": "fp32"})
+        with torch.device("meta"):
+            model = Net()
+        model, _ = parallel.apply_data_parallel(model, state)
+        assert materialize(model, state) == 2  # the MoE and the head; the experts not again
+        assert model.layers[0].experts.w_gate.to_local().shape[0] == 0
+        head = model.head.weight.to_local()
+    torch.manual_seed(3)
+    eager = Net()
+    torch.testing.assert_close(head, eager.head.weight[2 * rank : 2 * rank + 2], rtol=0, atol=0)
+
+
+def test_materialize_keeps_what_a_parents_reset_wrote_into_a_child(world1) -> None:
+    """A parent whose reset zero-initializes its output projection's weight (not its bias), as residual
+    branches do: materialize reset the projection after the parent (its bias was unwritten) and drew the
+    weight again (std 0.15 where the eager build has 0). Now the projection's reset runs (its draws, as
+    eager) and keeps the parent's zeros."""
+
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(6, 6)
+            self.out = nn.Linear(6, 6)
+            self.reset_parameters()
+
+        def reset_parameters(self) -> None:
+            nn.init.zeros_(self.out.weight)
+
+    def build() -> nn.Module:
+        return nn.Sequential(Branch(), nn.Linear(6, 3))
+
+    with torch.device("meta"):
+        lazy = build()
+    materialize(lazy, world1)
+    torch.manual_seed(world1.seed_for())
+    eager = build()
+    assert not eager[0].out.weight.any()
+    for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_materialize_names_integer_buffers_no_reset_wrote(world1) -> None:
+    """Integer and bool buffers cannot hold the NaN fill: a position-id or causal-mask buffer built in
+    ``__init__`` and not rebuilt by the reset came back as whatever memory to_empty gave (values near
+    +-4.7e18), without an error. Now they are named unless allow_uninitialized."""
+
+    class WithIds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.register_buffer("position_ids", torch.arange(16), persistent=False)
+            self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
+
+        def reset_parameters(self) -> None:
+            pass
+
+    with torch.device("meta"):
+        model = WithIds()
+    with pytest.raises(RuntimeError, match=r"no reset_parameters\(\) gave position_ids, mask values"):
+        materialize(model, world1)
+    with torch.device("meta"):
+        model = WithIds()
+    materialize(model, world1, allow_uninitialized=True)
+
+
 def test_materialize_rejects_a_real_model(world1) -> None:
     model = _model()
     before = copy.deepcopy(model.state_dict())

@@ -310,3 +310,18 @@ def test_checkpointing_a_stock_model_turns_its_cache_off_in_training(monkeypatch
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     model.eval()
     assert model(ids).past_key_values is not None
+
+
+def test_materialize_refills_the_rotary_tables_of_a_meta_built_model(one_rank) -> None:
+    """Built on meta, transformed and materialized for a checkpoint load (``allow_uninitialized``): the
+    rotary modules' ``inv_freq`` tables (no ``reset_parameters``, and not in a DCP checkpoint) were left
+    NaN, so the resumed model's loss was NaN; materialize now computes them from the config, equal to the
+    eager model's."""
+    eager = _build("llama")
+    with torch.device("meta"):
+        lazy = _build("llama")
+    lazy, _ = sp.transform(lazy, {"mixed_precision": "fp32"})
+    sp.materialize(lazy, allow_uninitialized=True)
+    want = dict(eager.named_buffers())
+    got = {n: b for n, b in lazy.named_buffers() if "rotary" in n}
+    assert got and all(torch.equal(b, want[n]) for n, b in got.items()), got

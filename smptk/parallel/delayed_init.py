@@ -22,21 +22,32 @@ keeps its piece, so the module and every later one get the unsharded model's val
 equal a checkpoint, load it afterwards
 (:func:`~smptk.parallel.load_full_state_dict` or :func:`~smptk.parallel.load_checkpoint`). Buffers come
 back uninitialized unless their module's ``reset_parameters`` refills them (torch's norms do): a module
-with a computed buffer (a rotary table, say) must recompute it there. A module that holds parameters or
-buffers of its own and has no ``reset_parameters`` is refused before anything is allocated (its values
-would be whatever memory ``to_empty`` gave), and every floating parameter and buffer is filled with NaN
-before the resets and checked after them, so one that no reset wrote (a subclass adding parameters its
-inherited reset does not know) is named in a RuntimeError; ``allow_uninitialized=True`` allows both when
-a checkpoint load follows.
+with a computed buffer must recompute it there (Hugging Face's rotary modules, which have no reset, are
+refilled from their config: :func:`refill_rotary`). A module that holds parameters or buffers of its own
+and has no ``reset_parameters`` is refused before anything is allocated (its values would be whatever
+memory ``to_empty`` gave), and every floating parameter and buffer is filled with NaN before the resets
+and checked after them (integer and bool ones: that a reset wrote them, by their version counters), so
+one that no reset wrote (a subclass adding parameters its inherited reset does not know, a position-id or
+mask buffer built in ``__init__``) is named in a RuntimeError; ``allow_uninitialized=True`` allows both
+when a checkpoint load follows.
 
-Order: the resets run in ``model.modules()`` order, so the values are the eager build's when the model
-builds its submodules in the order it registers them and initializes them only in ``reset_parameters``
-(an init written in a parent's ``__init__`` is not replayed). A module whose own tensors an ancestor's
-reset already wrote (:class:`~smptk.parallel.MoE`'s reset resets its experts) is not reset again. A
-parameter shared by several modules (an embedding tied to the head) stays one tensor (``to_empty`` would
-untie it) and keeps the draw of its first owner in that order; the later owners' resets still draw, as
-their eager construction did, and their values are discarded, as the tie assigned after construction
-discards them.
+Order: the resets run in ``model.modules()`` order (a parent before its children), so the values are the
+eager build's when the model builds its submodules in the order it registers them and initializes them
+only in ``reset_parameters``, where only leaf modules draw, or a parent's reset draws only for children
+whose constructors draw nothing (:class:`~smptk.parallel.MoE` and its experts). An init written in a
+parent's ``__init__`` is not replayed. A module whose own tensors an ancestor's reset already wrote, all
+of them (MoE's reset resets its experts), is not reset again; one that reset wrote in part (a parent
+zero-initializing a child's weight, not its bias) is reset and keeps what the ancestor wrote, as the
+eager build, where the parent's reset ran last, keeps it. What was written is read from the tensors'
+version counters, the same on every rank (an empty shard's too). Where a parent's reset draws random
+values for itself or its children, it draws them here before its children's draws and, eager, after them:
+the same distribution, other values (in the modules after it too). A parameter shared by several modules
+(an embedding tied to the head) stays one tensor (``to_empty`` would untie it) and keeps the draw of its
+first owner in that order; the later owners' resets still draw, as their eager construction did, and
+their values are discarded. That is the eager build's values when the tie gives the later module the
+earlier one's parameter (Hugging Face's ``lm_head.weight = embed_tokens.weight``); the opposite tie
+(nanoGPT's ``wte.weight = lm_head.weight``, whose eager values are the head's draw) gets the embedding's
+draw.
 
 Example::
 
@@ -109,6 +120,7 @@ def materialize(
         for name, m in model.named_modules()
         if next(iter((*m.parameters(recurse=False), *m.buffers(recurse=False))), None) is not None
         and not callable(getattr(m, "reset_parameters", None))
+        and not _is_hf_rotary(m)  # refilled from its config
     ]
     if silent and not allow_uninitialized:
         shown = ", ".join(silent[:3]) + (f" and {len(silent) - 3} more" if len(silent) > 3 else "")
@@ -128,6 +140,10 @@ def materialize(
     with torch.no_grad():
         for _, t in values:
             t.fill_(float("nan"))  # what no reset_parameters wrote shows up below
+    # Every write bumps a tensor's version counter, empty shards' included, so what the versions say was
+    # written is the same on every rank (a NaN test of the local values is not: an empty FSDP2 shard
+    # holds none, and that rank alone reset an MoE's experts again, shifting its random stream)
+    unwritten = _versions(model)
     devices = []
     if target.type == "cuda":
         devices = [target.index if target.index is not None else torch.cuda.current_device()]
@@ -141,32 +157,73 @@ def materialize(
                 if not callable(reset):
                     continue
                 own = list(module.parameters(recurse=False))
-                # written by an ancestor's reset that resets its children (MoE's); a tied parameter written
-                # by its first owner (in ``done``) is no reason: that module's reset still draws, as eager
-                if not any(id(p) in done for p in own) and _written_already(module):
+                tensors = [*own, *module.buffers(recurse=False)]
+                written = [t for t in tensors if _version(t) != unwritten[id(t)]]
+                # all written by an ancestor's reset that resets its children (MoE's): not drawn again. A
+                # tied parameter written by its first owner (in ``done``) is no reason: that module's
+                # reset still draws, as eager
+                if tensors and len(written) == len(tensors) and not any(id(p) in done for p in own):
                     done.update(id(p) for p in own)
                     continue
-                kept = [(p, _local(p).clone()) for p in own if id(p) in done]
+                # the rest keep their values through this reset (which still draws, as eager): a tied
+                # parameter its first owner drew (the tie assigned after both modules were built lost the
+                # later draw), and what an ancestor's reset wrote (a zero-initialized output projection:
+                # eager, that reset ran after this one, at the end of the parent's constructor)
+                kept = [(t, _local(t).clone()) for t in written]
                 if "generator" in inspect.signature(reset).parameters:  # smptk's layers: one stream
                     reset(generator=torch.default_generator)
                 else:
                     _reset_torch_module(module, reset)
-                for p, value in kept:  # as the tie assigned after both modules were built: the draw is lost
-                    _local(p).copy_(value)
+                for t, value in kept:
+                    _local(t).copy_(value)
                 done.update(id(p) for p in own)
                 ran += 1
+    refill_rotary(model)
     if not allow_uninitialized:
-        _check_all_written(values)
+        _check_all_written(model, values, unwritten)
     return ran
 
 
-def _written_already(module: nn.Module) -> bool:
-    """Whether an earlier reset wrote every floating tensor of ``module``'s own (none holds materialize's
-    NaN fill any more): a parent whose ``reset_parameters`` resets its children, as the eager build's
-    constructor did once; resetting the child again would draw its values a second time."""
-    own = [_local(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
-    own = [t for t in own if t.is_floating_point() and t.numel()]
-    return bool(own) and not torch.stack([t.isnan().any() for t in own]).any().item()
+def _version(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s version counter and its local tensor's (a write to a DTensor's shard moves only the latter)."""
+    return t._version, _local(t)._version
+
+
+def _versions(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """:func:`_version` of every parameter and buffer of ``model``, by id."""
+    with torch.no_grad():  # a DTensor's to_local() is then its local tensor itself
+        return {id(t): _version(t) for t in (*model.parameters(), *model.buffers())}
+
+
+def _is_hf_rotary(module: nn.Module) -> bool:
+    """A Hugging Face rotary-embedding module: computed buffers (``inv_freq``), no ``reset_parameters``."""
+    return type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")
+
+
+def refill_rotary(model: nn.Module) -> int:
+    """Recompute every Hugging Face rotary module's buffers (``inv_freq``...) from a fresh instance built
+    from its config on the CPU; returns how many modules were refilled. :func:`materialize` runs it (these
+    modules have no ``reset_parameters``, and a checkpoint does not hold their non-persistent buffers).
+
+    Example::
+
+        >>> refill_rotary(model)    # a transformed Llama's rotary tables, after to_empty()
+        1
+    """
+    done = 0
+    for module in model.modules():
+        if not _is_hf_rotary(module):
+            continue
+        with torch.device("cpu"):
+            fresh = type(module)(module.config)
+        with torch.no_grad():
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+        for key, value in vars(fresh).items():  # attention_scaling and the like
+            if not key.startswith("_") and isinstance(value, (int, float)):
+                setattr(module, key, value)
+        done += 1
+    return done
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -190,14 +247,22 @@ def _floating_values(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(seen.values())
 
 
-def _check_all_written(values: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise, naming them, when parameters or buffers still hold the NaN that materialize filled them with:
-    a ``reset_parameters`` that does not cover all of its module's tensors (a subclass that adds
-    parameters and inherits its parent's reset) left them uninitialized."""
-    if not values:
-        return
-    flags = torch.stack([t.isnan().any() for _, t in values]).tolist()  # one host sync
+def _check_all_written(
+    model: nn.Module, values: list[tuple[str, torch.Tensor]], unwritten: dict[int, tuple[int, int]]
+) -> None:
+    """Raise, naming them, when parameters or buffers still hold the NaN that materialize filled them with,
+    or (integer and bool ones, which cannot hold NaN) were never written: a ``reset_parameters`` that does
+    not cover all of its module's tensors (a subclass that adds parameters and inherits its parent's reset,
+    a position-id or mask buffer built in ``__init__``) left them uninitialized."""
+    flags = torch.stack([t.isnan().any() for _, t in values]).tolist() if values else []  # one host sync
     names = [name for (name, _), bad in zip(values, flags, strict=True) if bad]
+    with torch.no_grad():
+        seen: set[int] = set()
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            exact = not _local(t).is_floating_point() and t.numel() > 0
+            if id(t) not in seen and exact and _version(t) == unwritten[id(t)]:
+                names.append(name)
+            seen.add(id(t))
     if not names:
         return
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -233,4 +298,4 @@ def _reset_torch_module(module: nn.Module, reset) -> None:
         p.to_local().copy_(piece.to_local())
 
 
-__all__ = ["materialize"]
+__all__ = ["materialize", "refill_rotary"]

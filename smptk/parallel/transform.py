@@ -77,6 +77,7 @@ import torch
 from torch import nn
 
 from smptk.parallel.config import ParallelState, current, init
+from smptk.parallel.delayed_init import refill_rotary
 from smptk.parallel.moe import MoE
 
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -602,26 +603,7 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
         # save_pretrained writes a tied head's weight once, as the embedding's: the strict load names both
         mapped["lm_head.weight"] = mapped[embed_key]
     load_full_state_dict(model, mapped, strict=True)
-    _refill_rotary(model)
-
-
-def _refill_rotary(model: nn.Module) -> int:
-    """Recompute every Hugging Face rotary module's buffers (``inv_freq``...) from a fresh instance built
-    from its config on the CPU; returns how many modules were refilled."""
-    done = 0
-    for module in model.modules():
-        if not (type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")):
-            continue
-        with torch.device("cpu"):
-            fresh = type(module)(module.config)
-        with torch.no_grad():
-            for name, buf in fresh.named_buffers(recurse=False):
-                getattr(module, name).copy_(buf)
-        for key, value in vars(fresh).items():  # attention_scaling and the like
-            if not key.startswith("_") and isinstance(value, (int, float)):
-                setattr(module, key, value)
-        done += 1
-    return done
+    refill_rotary(model)
 
 
 def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
