@@ -31,6 +31,7 @@ from comm_checks import HEAP_BYTES, expect_raises
 from comm_harness import JobResult, run_ranks
 from comm_jobs import bad_inputs, catalog
 from helpers import NO_INTERPRETER_REASON
+from torch import nn
 
 import smptk.comm as comm
 from smptk.comm import collectives
@@ -340,6 +341,11 @@ def test_configure_changes_only_what_it_is_given(fresh_settings) -> None:
         ({"heap_bytes": 0}, "heap_bytes: expected a multiple of 16 of at least 4096, got 0"),
         ({"max_sms": 4, "heap_bytes": 1}, "heap_bytes: expected"),  # nothing of a rejected call applies
         ({"copy_path": "cp.async"}, "copy_path: expected one of ('pointer', 'tma'), got 'cp.async'"),
+        # were accepted: int(65536.5) and int("65536") as 65536, float(True) as a 1 s timeout
+        ({"heap_bytes": 65536.5}, "heap_bytes: expected an integer, got 65536.5"),
+        ({"heap_bytes": "65536"}, "heap_bytes: expected an integer, got '65536'"),
+        ({"timeout_s": True}, "timeout_s: expected a number, got True"),
+        ({"timeout_s": "30"}, "timeout_s: expected a number, got '30'"),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else "",
 )
@@ -545,6 +551,30 @@ def test_world1_last_path_names_the_fallback(world1) -> None:
     if runtime.interpreter_enabled():
         comm.all_reduce(torch.ones(3))
         assert comm.last_path() == "symmetric"
+
+
+def test_world1_fallback_average_of_complex_and_of_a_leaf_that_requires_grad(world1) -> None:
+    """The fallback's "avg" (gloo's sum, then a division): a complex tensor took the integer floor division
+    (NotImplementedError for 'div_floor_cpu', the tensor left holding the sum), and a leaf that requires
+    grad (a parameter) failed in the in-place division (autograd's leaf check), where dist.all_reduce takes
+    it and the symmetric path averages it. A bool average, a logical or divided, is refused before any
+    data moves."""
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    comm.all_reduce(z, op="avg")
+    assert torch.equal(z, torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+    out = torch.empty(2, dtype=torch.complex64)
+    comm.reduce_scatter_tensor(out, z.clone(), op="avg")
+    assert torch.equal(out, z)
+    p = nn.Parameter(torch.arange(4, dtype=torch.float64))
+    comm.all_reduce(p, op="avg")
+    assert comm.last_path() == "torch.distributed:gloo" and p.requires_grad and p.grad_fn is None
+    assert torch.equal(p.detach(), torch.arange(4, dtype=torch.float64))
+    b = torch.tensor([True, False])
+    with pytest.raises(TypeError, match="'avg' of bool tensors is not defined"):
+        comm.all_reduce(b, op="avg")
+    with pytest.raises(TypeError, match="'avg' of bool tensors is not defined"):
+        comm.reduce_scatter_tensor(torch.empty(2, dtype=torch.bool), b, op="avg")
+    assert b.tolist() == [True, False]
 
 
 @pytest.mark.parametrize(("cid", "call", "exc", "message"), bad_inputs(1), ids=[c[0] for c in bad_inputs(1)])

@@ -163,8 +163,8 @@ def configure(
     cur = _current()
     new = _Settings(
         max_sms=cur.max_sms if max_sms is None else _as_int("max_sms", max_sms),
-        timeout_s=cur.timeout_s if timeout_s is None else float(timeout_s),
-        heap_bytes=cur.heap_bytes if heap_bytes is None else int(heap_bytes),
+        timeout_s=cur.timeout_s if timeout_s is None else _as_number("timeout_s", timeout_s),
+        heap_bytes=cur.heap_bytes if heap_bytes is None else _as_int("heap_bytes", heap_bytes),
         copy_path=cur.copy_path if copy_path is None else copy_path,
     )
     _validate(new)
@@ -377,6 +377,12 @@ def _as_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
         raise ValueError(f"{name}: expected an integer, got {value!r}")
     return int(value)
+
+
+def _as_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    return float(value)
 
 
 def _max_sms(max_sms: int | None) -> int:
@@ -757,6 +763,7 @@ def all_reduce(
     g = _group(group)
     _check_tensor("tensor", tensor)
     op = _op_name(op)
+    _check_avg_dtype(op, tensor.dtype)
     code = OPS[op]
     programs = _max_sms(max_sms)
     if algorithm not in ALGORITHMS:
@@ -778,14 +785,33 @@ def all_reduce(
     return tensor
 
 
-def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
-    backend = dist.get_backend(g)
-    if op == "avg" and backend != "nccl":  # gloo has no AVG: sum, then divide
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g)
-        if tensor.is_floating_point():
-            tensor.div_(dist.get_world_size(g))
+def _sum_then_divide(op: str, dtype: torch.dtype, g: dist.ProcessGroup) -> bool:
+    """Whether the fallback runs "avg" as a sum and a division here: gloo has no AVG, and an integer
+    average floors on every backend (NCCL's AVG would truncate toward zero)."""
+    exact = not (dtype.is_floating_point or dtype.is_complex)
+    return op == "avg" and (dist.get_backend(g) != "nccl" or exact)
+
+
+def _average(t: torch.Tensor, world: int) -> None:
+    """A sum made the mean in place: true division for floating and complex dtypes, the floor for integers.
+    Outside autograd, as the collective before it (``t`` may be a leaf that requires grad)."""
+    with torch.no_grad():
+        if t.is_floating_point() or t.is_complex():
+            t.div_(world)
         else:
-            tensor.floor_divide_(dist.get_world_size(g))
+            t.floor_divide_(world)
+
+
+def _check_avg_dtype(op: str, dtype: torch.dtype) -> None:
+    """Refuse an average of bools before any data moves (the sum would be a logical or)."""
+    if op == "avg" and dtype == torch.bool:
+        raise TypeError("op: 'avg' of bool tensors is not defined (the sum is a logical or); cast first")
+
+
+def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
+    if _sum_then_divide(op, tensor.dtype, g):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g)
+        _average(tensor, dist.get_world_size(g))
     else:
         dist.all_reduce(tensor, op=_TORCH_OPS[op], group=g)
     _fallback(g)
@@ -908,6 +934,7 @@ def reduce_scatter_tensor(
             f"got {input.numel()} (shape {tuple(input.shape)})"
         )
     op = _op_name(op)
+    _check_avg_dtype(op, input.dtype)
     code = OPS[op]
     programs = _max_sms(max_sms)
     heap = _heap(g, input)
@@ -924,10 +951,9 @@ def reduce_scatter_tensor(
 
 
 def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
-    if op == "avg" and dist.get_backend(g) != "nccl":
+    if _sum_then_divide(op, input.dtype, g):
         dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=g)
-        world = dist.get_world_size(g)
-        output.div_(world) if output.is_floating_point() else output.floor_divide_(world)
+        _average(output, dist.get_world_size(g))
     else:
         dist.reduce_scatter_tensor(output, input, op=_TORCH_OPS[op], group=g)
     _fallback(g)
