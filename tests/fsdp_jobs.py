@@ -244,4 +244,29 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
             },
         }
     parallel.reset()
+    out["clip_edges"] = clip_edges(rank, world)
     return out
+
+
+def clip_edges(rank: int, world: int) -> dict:
+    """smptk.parallel.clip_grad_norm_'s infinity norm where a max over the ranks' pieces is not enough: a
+    Partial (sum) gradient whose sum's largest entry, 1.0 * world, is larger than every rank's piece
+    (2.0 on rank 0), and a NaN in the last rank's shard (a max all-reduce dropped it by rank order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    import smptk.parallel as parallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    partial = nn.Parameter(DTensor.from_local(torch.zeros(3), mesh, [Replicate()]))
+    partial.grad = DTensor.from_local(torch.tensor([1.0, -2.0 if rank == 0 else 0.0, 0.5]), mesh, [Partial()])
+    plain = nn.Parameter(torch.zeros(2))
+    plain.grad = torch.tensor([0.25, -0.5])
+    sharded = nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Shard(0)]))
+    bad = torch.tensor([math.nan, 1.0]) if rank == world - 1 else torch.tensor([2.0, 1.0])
+    sharded.grad = DTensor.from_local(bad, mesh, [Shard(0)])
+    return {
+        "partial_inf": parallel.clip_grad_norm_([partial, plain], 1e9, norm_type=math.inf).item(),
+        "nan_inf": parallel.clip_grad_norm_([sharded], 1e9, norm_type=math.inf).item(),
+        "neg_inf": parallel.clip_grad_norm_([partial, plain], 1e9, norm_type=-math.inf).item(),
+    }

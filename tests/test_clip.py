@@ -45,3 +45,26 @@ def test_edge_cases_and_errors() -> None:
     for bad in (-1.0, True, "1"):
         with pytest.raises(ValueError, match="max_norm: expected a number >= 0"):
             clip_grad_norm_(p, bad)
+
+
+def test_max_norm_forms_norm_zero_and_the_result_dtype() -> None:
+    """A one-element tensor or a NumPy float as max_norm works as in torch's (they were refused); a NaN
+    max_norm is refused (it made every gradient NaN); norm_type 0, which torch takes to count the nonzero
+    gradients, is refused (it raised ZeroDivisionError); fp64 gradients get an fp64 norm (it was computed in
+    fp32)."""
+    import numpy as np
+
+    for max_norm in (torch.tensor(1.0), torch.tensor([1.0]), np.float32(1.0)):
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.tensor([3.0, 4.0])
+        assert clip_grad_norm_(p, max_norm).item() == pytest.approx(5.0)
+        torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="max_norm: expected a number >= 0, got nan"):
+        clip_grad_norm_(p, math.nan)
+    with pytest.raises(ValueError, match="norm_type: 0 is not a norm to clip by"):
+        clip_grad_norm_(p, 1.0, norm_type=0)
+    q, r = (torch.nn.Parameter(torch.ones(2, dtype=torch.float64)) for _ in range(2))
+    q.grad, r.grad = (torch.tensor([1.0, 1e-4], dtype=torch.float64) for _ in range(2))
+    total = clip_grad_norm_(q, 10.0)
+    want = torch.nn.utils.clip_grad_norm_(r, 10.0)
+    assert total.dtype == torch.float64 and total.item() == want.item() == math.sqrt(1 + 1e-8) != 1.0

@@ -14,6 +14,7 @@ without starting ranks.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -75,6 +76,17 @@ def test_fp32_steps_equal_single_process(job, name: str) -> None:
     for rank, run in enumerate(runs):
         for norm, (ours, want) in run["clip"].items():
             assert ours == pytest.approx(want, rel=1e-5), f"{name} rank {rank}: {norm}-norm {ours} vs {want}"
+
+
+def test_clip_infinity_norms_of_partial_and_nan_gradients(job) -> None:
+    """The infinity norm of a Partial (sum) gradient is its sum's largest entry (4.0 on 4 ranks; it was the
+    largest piece, 2.0), a NaN in the last rank's shard makes every rank's norm NaN (the max all-reduce
+    dropped it: 2.0), and -inf takes the smallest over the groups (0.25; it took the largest, 1.0)."""
+    for rank in range(4):
+        edges = job[rank]["clip_edges"]
+        assert edges["partial_inf"] == 4.0, (rank, edges)
+        assert math.isnan(edges["nan_inf"]), (rank, edges)
+        assert edges["neg_inf"] == 0.25, (rank, edges)
 
 
 def test_delayed_init_materializes_the_one_process_values(job) -> None:

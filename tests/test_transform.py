@@ -325,3 +325,18 @@ def test_materialize_refills_the_rotary_tables_of_a_meta_built_model(one_rank) -
     want = dict(eager.named_buffers())
     got = {n: b for n, b in lazy.named_buffers() if "rotary" in n}
     assert got and all(torch.equal(b, want[n]) for n, b in got.items()), got
+
+
+def test_frozen_moe_weights_stay_frozen(one_rank) -> None:
+    """A Mixtral whose first layer's experts and router are frozen (requires_grad False): the swapped-in
+    MoE's weights came back trainable (they trained and counted in the gradient norm); now each keeps its
+    source's flag, and the unfrozen layer's stay trainable."""
+    if not STACKED_EXPERTS:
+        pytest.skip(OLD_LAYOUT)
+    model = jobs.build("mixtral")
+    for p in model.model.layers[0].mlp.parameters():
+        p.requires_grad_(False)
+    module, _ = sp.transform(model, {"mixed_precision": "fp32"})
+    frozen, trained = module.model.layers[0].mlp, module.model.layers[1].mlp
+    assert [p.requires_grad for p in frozen.parameters()] == [False] * 4
+    assert [p.requires_grad for p in trained.parameters()] == [True] * 4

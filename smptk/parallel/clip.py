@@ -20,10 +20,11 @@ Example (every rank)::
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 @torch.no_grad()
@@ -38,37 +39,59 @@ def clip_grad_norm_(
 
     Args:
         parameters: the parameters (or one tensor) whose ``.grad`` is clipped; those without one are skipped.
-        max_norm: the largest total norm the gradients keep (0 zeroes them, as torch's does).
-        norm_type: the p of the p-norm (``inf`` for the largest absolute value).
+        max_norm: the largest total norm the gradients keep (0 zeroes them, as torch's does): a number or
+            a one-element tensor.
+        norm_type: the p of the p-norm, any nonzero p (``inf`` for the largest absolute value, ``-inf``
+            for the smallest). 0, which torch takes to count the nonzero gradients, is refused: it is no
+            norm to clip by.
         error_if_nonfinite: raise when the total norm is NaN or infinite (as torch's; a host sync).
         foreach: torch's argument, for the per-group norms and the scaling.
 
     Returns:
-        The total norm of all gradients as one plain fp32 tensor (the same on every rank), before clipping.
+        The total norm of all gradients as one plain tensor, the same on every rank, before clipping: fp32
+        (fp64 when a gradient is fp64; torch's is the gradients' dtype, bf16 for bf16 gradients). A NaN in
+        any gradient on any rank makes it NaN, as torch's.
+
+    Example (one process; every rank of a job runs the same call)::
+
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> p.grad = torch.tensor([3.0, 4.0])
+        >>> clip_grad_norm_([p], max_norm=1.0)
+        tensor(5.)
+        >>> p.grad
+        tensor([0.6000, 0.8000])
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+    if isinstance(max_norm, torch.Tensor):
+        if max_norm.numel() != 1 or max_norm.dtype.is_complex:
+            raise ValueError(f"max_norm: expected a number or a one-element real tensor, got {max_norm!r}")
+    elif isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm >= 0:
         raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
     norm_type = float(norm_type)
+    if norm_type == 0:
+        raise ValueError("norm_type: 0 is not a norm to clip by (torch's counts the nonzero gradients)")
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
     for mesh, group in groups.items():
         if norm_type == math.inf:  # torch's inf norm fails on an empty shard (a small tensor on many ranks)
-            norms.append(_inf_norm(mesh, group))
+            norms.append(_inf_norm(mesh, group).to(dtype))
             continue
-        norm = torch.nn.utils.get_total_norm(group, norm_type, False, foreach)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+        norm = torch.nn.utils.get_total_norm([g.to(dtype) for g in group], norm_type, False, foreach)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(dtype))
     device = norms[0].device
     norms = [n.to(device) for n in norms]
-    if math.isinf(norm_type):
+    if norm_type == math.inf:
         total = torch.stack(norms).max()
+    elif norm_type == -math.inf:
+        total = torch.stack(norms).min()
     else:
         total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -76,6 +99,8 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
             "cannot be clipped; error_if_nonfinite=False clips anyway"
         )
+    if isinstance(max_norm, torch.Tensor):
+        max_norm = max_norm.reshape(()).to(total.device, total.dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
@@ -90,13 +115,23 @@ def _inf_norm(mesh, grads: list[torch.Tensor]) -> torch.Tensor:
     """The largest absolute value of ``grads`` (one mesh's DTensors, or plain tensors for ``mesh`` None),
     fp32, the same on every rank: each rank's largest over its non-empty shards (0 without one), then the
     largest over the mesh. torch's ``_foreach_norm`` refuses the infinity norm of an empty tensor, which
-    FSDP2 gives a rank whose shard of a small parameter is empty."""
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    FSDP2 gives a rank whose shard of a small parameter is empty.
+
+    A partial gradient (a replicated weight over sequence-parallel activations, before any data-parallel
+    reduction) is summed first: its pieces' largest value is not its sum's. A NaN travels as a flag
+    beside the value (a max all-reduce keeps or drops a NaN operand by rank order: gloo dropped rank 1's)."""
+    local = []
+    for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+        local.append(g.to_local() if isinstance(g, DTensor) else g)
     values = [t.detach().abs().max().float() for t in local if t.numel()]
     m = torch.stack(values).max() if values else torch.zeros((), dtype=torch.float32, device=local[0].device)
     if mesh is None:
         return m
-    return DTensor.from_local(m, mesh, [Partial("max")] * mesh.ndim).full_tensor()
+    flagged = torch.stack([torch.where(m.isnan(), 0.0, m), m.isnan().float()])
+    m, nan = DTensor.from_local(flagged, mesh, [Partial("max")] * mesh.ndim).full_tensor().unbind()
+    return torch.where(nan > 0, torch.full_like(m, math.nan), m)
 
 
 __all__ = ["clip_grad_norm_"]

@@ -224,6 +224,11 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
         moe.experts.w_gate.copy_(gate_up[:, :F])
         moe.experts.w_up.copy_(gate_up[:, F:])
         moe.experts.w_down.copy_(down)
+    # a frozen block stays frozen (fine-tuning with the experts or the router fixed)
+    moe.router_weight.requires_grad_(router.requires_grad)
+    moe.experts.w_gate.requires_grad_(gate_up.requires_grad)
+    moe.experts.w_up.requires_grad_(gate_up.requires_grad)
+    moe.experts.w_down.requires_grad_(down.requires_grad)
     return moe
 
 
