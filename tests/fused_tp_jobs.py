@@ -19,6 +19,8 @@ Cases (each returns None or what went wrong; a failure is recorded and the job g
 - ``mismatch``: rank 0 calls the all-gather GEMM while the others call a plain all-gather with the same
   block: every rank raises CommMismatchError, and the message names each side's call by its own kind
   ("all_gather_linear" against "all_gather"). The heap is rebuilt after it.
+- ``shape_mismatch``: blocks of one element count in other shapes, in either fused linear: every rank
+  raises CommMismatchError naming both shapes.
 - ``missing_rank``: rank W-1 never calls; every other rank raises CommTimeoutError naming [W-1]
   within the short timeout.
 
@@ -141,6 +143,11 @@ def _bad_input(rank: int, world: int) -> str | None:
     problems = [
         expect_raises(lambda: all_gather_linear(x, w, group=None), ValueError, "x_local"),
         expect_raises(lambda: all_gather_linear(x[0], w, torch.zeros(3), group=None), ValueError, "bias"),
+        expect_raises(
+            lambda: all_gather_linear(x[0], w.half(), group=None),
+            TypeError,
+            "weight_local: dtype torch.float16 does not match x_local's torch.float32",  # named it "x"
+        ),
     ]
     return "; ".join(p for p in problems if p) or None
 
@@ -232,6 +239,35 @@ def _mismatch(rank: int, world: int) -> str | None:
     if f": {mine} float32" not in this or f": {theirs} float32" not in others:
         return f"the message does not name this rank's {mine} and the peers' {theirs}: {error!r}"
     return None
+
+
+def _shape_mismatch(rank: int, world: int) -> str | None:
+    """Blocks of one element count in other shapes: rank 0's x block [6, 4] against the others' [4, 6] in
+    the all-gather GEMM, and rank 0's output block [3, 4] against the others' [2, 6] in the GEMM +
+    reduce-scatter (rows and weight rows traded): CommMismatchError on every rank naming both shapes (the
+    count alone was compared, and every rank read the others' blocks in its own shape, silently)."""
+    x_ag, w_ag = ((6, 4), (3, 4)) if rank == 0 else ((4, 6), (3, 6))
+    x_rs, w_rs = ((world * 3, 5), (4, 5)) if rank == 0 else ((world * 2, 5), (6, 5))
+    calls = {
+        ("block 6 x 4", "block 4 x 6"): lambda: all_gather_linear(
+            torch.ones(x_ag), torch.ones(w_ag), group=None, max_sms=1
+        ),
+        ("output block 3 x 4", "output block 2 x 6"): lambda: linear_reduce_scatter(
+            torch.ones(x_rs), torch.ones(w_rs), group=None, max_sms=1
+        ),
+    }
+    problems = []
+    for shapes, call in calls.items():
+        try:
+            call()
+        except comm.CommMismatchError as e:
+            if not all(s in str(e) for s in shapes):
+                problems.append(f"the message does not name {shapes}: {e}")
+        else:
+            problems.append(f"no CommMismatchError for {shapes}")
+        comm.reset()
+        _rebuilt_heap()
+    return "; ".join(problems) or None
 
 
 def _missing_rank(rank: int, world: int, op: str = "all_gather") -> str | None:
@@ -337,6 +373,7 @@ def run(rank: int, world: int) -> dict[str, str | None]:
         ),
         "bad_input": _bad_input(rank, world),
         "mismatch": _mismatch(rank, world),
+        "shape_mismatch": _shape_mismatch(rank, world),
         "missing_rank": _missing_rank(rank, world),
         "scatter_bias": _rebuilt_heap() or _check_scatter(rank, world, 6, True, 2, "fused"),
         "scatter_plain": _check_scatter(rank, world, 7, False, 1, "fused"),

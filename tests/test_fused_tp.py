@@ -15,7 +15,15 @@ from fused_tp_jobs import ROWS
 WORLDS = (2, 4)
 DEADLINE_S = {2: 180, 4: 300}
 ENV = {"SMPTK_COMM_HEAP_BYTES": str(64 * 1024)}
-CASES = ("fused_gelu_bias", "fused_plain", "unfused", "bad_input", "mismatch", "missing_rank")
+CASES = (
+    "fused_gelu_bias",
+    "fused_plain",
+    "unfused",
+    "bad_input",
+    "mismatch",
+    "shape_mismatch",
+    "missing_rank",
+)
 SCATTER_CASES = tuple(f"scatter_{c}" for c in ("bias", "plain", "unfused", "bad_input", "missing_rank"))
 PAIR_CASES = ("selective",)
 _jobs: dict[int, JobResult] = {}

@@ -483,10 +483,10 @@ def _describe_call(tag: int, numel: int, chunk: int) -> str:
     parts.append(f"max_sms={tag >> 10 & 511}")
     if kind.startswith("all_to_all"):
         parts.append(f"rounds={numel}, slot={chunk}")
-    elif kind == "all_gather_linear":
-        parts.append(f"block numel={numel}, N_local={chunk}")
-    elif kind == "linear_reduce_scatter":
-        parts.append(f"output numel={numel}, K={chunk}")
+    elif kind == "all_gather_linear":  # chunk: the blocks' columns (K)
+        parts.append(f"block {numel // chunk if chunk else '?'} x {chunk}")
+    elif kind == "linear_reduce_scatter":  # chunk: the output's columns (N)
+        parts.append(f"output block {numel // chunk if chunk else '?'} x {chunk}")
     else:
         parts.append(f"numel={numel}, chunk={chunk}")
     return " ".join(parts[:2]) + " (" + ", ".join(parts[2:]) + ")"

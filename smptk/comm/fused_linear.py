@@ -102,8 +102,8 @@ def _fused_scatter(x, w, bias, g: dist.ProcessGroup, heap, programs: int) -> tor
         x_TK=x, w_NK=w, out_TwN=out, ready=ready, comm_programs=programs, bias_N=bias
     )  # fmt: skip
     _coll._launch(
-        heap, op, programs, (), (), call=_coll._Call("linear_reduce_scatter", x.dtype, -1, out.numel(), K)
-    )
+        heap, op, programs, (), (), call=_coll._Call("linear_reduce_scatter", x.dtype, -1, out.numel(), N)
+    )  # the output block's shape is what every rank must agree on (K is each rank's own)
     return out
 
 
@@ -148,8 +148,8 @@ def _fused_forward(x, w, bias, act: int, save_z: bool, g: dist.ProcessGroup, hea
         z_TN=z, activation=act,
     )  # fmt: skip
     _coll._launch(
-        heap, op, programs, (), (), call=_coll._Call("all_gather_linear", x.dtype, -1, x.numel(), N)
-    )
+        heap, op, programs, (), (), call=_coll._Call("all_gather_linear", x.dtype, -1, x.numel(), K)
+    )  # the gathered blocks' shape is what every rank must agree on (N is each rank's own)
     return out, gathered, z
 
 
@@ -271,7 +271,7 @@ def all_gather_linear(
     x_local, weight_local, bias = autocast_inputs(x_local, weight_local, bias)  # as F.linear under autocast
     if x_local.dim() != 2:
         raise ValueError(f"x_local: expected a 2-D [T_w, K] block, got shape {tuple(x_local.shape)}")
-    check_weight("weight_local", weight_local, x_local)
+    check_weight("weight_local", weight_local, x_local, "x_local")
     check_activation(activation)
     bias = _checked_bias(bias, weight_local, "x_local", x_local)
     T, K = world * x_local.shape[0], x_local.shape[1]

@@ -24,16 +24,16 @@ def check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> 
         raise ValueError(f"{name}: on {t.device} but {ref_name} is on {ref.device}")
 
 
-def check_weight(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
-    """``w`` is an nn.Linear weight ``[N, K]`` for input ``x`` of shape ``[..., K]``."""
+def check_weight(name: str, w: torch.Tensor, x: torch.Tensor, x_name: str = "x") -> None:
+    """``w`` is an nn.Linear weight ``[N, K]`` for input ``x`` (named ``x_name``) of shape ``[..., K]``."""
     check_float_tensor(name, w)
-    check_same(name, w, "x", x)
+    check_same(name, w, x_name, x)
     if w.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D [N, K] weight, got shape {tuple(w.shape)}")
     if w.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"{name}: shape {tuple(w.shape)} needs K={w.shape[1]} input features but x has "
-            f"{x.shape[-1]} (x.shape={tuple(x.shape)})"
+            f"{name}: shape {tuple(w.shape)} needs K={w.shape[1]} input features but {x_name} has "
+            f"{x.shape[-1]} ({x_name}.shape={tuple(x.shape)})"
         )
 
 
