@@ -255,6 +255,31 @@ def test_update_expert_bias_needs_the_option() -> None:
         _layer().update_expert_bias()
 
 
+def test_update_expert_bias_counts_each_token_once_under_tensor_parallelism() -> None:
+    """tp = world (no data parallelism): every rank routes the same tokens, so no group is needed and none
+    is warned about (it warned of data-parallel replicas that do not exist); a group holding tensor-parallel
+    peers is refused (their counts were added once per peer: the load came back tp times too large). With
+    dp 2 the missing group is still warned about. This process plays rank 0 on torch's fake group."""
+    import torch.distributed as dist
+    from helpers import fake_world
+
+    import smptk.parallel as sp
+
+    with fake_world(4):
+        state = sp.init({"tensor_parallel_degree": 4})
+        moe = MoE(8, 16, 4, 2, expert_bias=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            moe.update_expert_bias(1e-3)
+        with pytest.raises(ValueError, match=r"holds ranks \[1, 2, 3\] outside .*tensor-parallel peers"):
+            moe.update_expert_bias(1e-3, group=dist.group.WORLD)
+        moe.update_expert_bias(1e-3, group=state.group("dp"))
+        sp.reset()
+        sp.init({"tensor_parallel_degree": 2})
+        with pytest.warns(UserWarning, match="no group in a multi-process job"):
+            moe.update_expert_bias(1e-3)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -188,6 +188,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _replicas() -> int:
+    """Ranks that may keep a copy of a layer's router and route other tokens: the data-parallel ranks
+    under smptk.parallel.init (tensor-parallel peers route the same tokens), else the world."""
+    from smptk.parallel import config
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    if config.is_initialized() and "dp" in config.current().sizes:
+        return config.current().sizes["dp"]
+    return dist.get_world_size()
+
+
 def _balancing_group(group: GroupLike, ep_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``group`` as a ProcessGroup, refused (ValueError) when it cannot hold every rank whose router must
     keep this rank's bias: the layer's expert-parallel ranks and, under smptk.parallel.init, the
@@ -205,6 +217,11 @@ def _balancing_group(group: GroupLike, ep_group: dist.ProcessGroup | None) -> di
         raise ValueError(
             f"group: holds ranks {sorted(ranks)}, not all of {what} {sorted(need)}: the ranks left out would "
             "steer by another load and keep another bias; pass state.group('dp')"
+        )
+    if config.is_initialized() and config.current().sizes.get("tp", 1) > 1 and not ranks <= need:
+        raise ValueError(
+            f"group: holds ranks {sorted(ranks - need)} outside {what} {sorted(need)}: tensor-parallel peers "
+            "route the same tokens, so their counts would be added once per peer; pass state.group('dp')"
         )
     return pg
 
@@ -520,7 +537,7 @@ class MoE(nn.Module):
             )
         if group is not None:
             group = _balancing_group(group, self.ep_group)
-        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if group is None and _replicas() > 1:
             warnings.warn(
                 "update_expert_bias: no group in a multi-process job: each rank steers by its own load, so "
                 "data-parallel replicas end with different biases; pass group=state.group('dp')",
