@@ -32,6 +32,22 @@ Example::
     >>> poison_outputs()
     Traceback (most recent call last):
     ValueError: SMPTK_POISON_OUTPUTS='2': expected one of 1/0, true/false, yes/no, on/off (any case), ...
+
+The named accessors (one per variable of :data:`VARIABLES`), the parsers they share, and the table::
+
+    >>> os.environ["SMPTK_COMM_MAX_SMS"] = " 4 "
+    >>> os.environ["SMPTK_GEMM_PATH"] = "TMA"
+    >>> comm_max_sms(), gemm_path()
+    (4, 'tma')
+    >>> del os.environ["SMPTK_COMM_MAX_SMS"], os.environ["SMPTK_GEMM_PATH"]
+    >>> comm_max_sms(), gemm_path()                         # unset: the defaults
+    (8, 'auto')
+    >>> os.environ["MY_TOOL_STEPS"] = "12"
+    >>> integer("MY_TOOL_STEPS", None, low=1), flag("MY_TOOL_UNSET", True)
+    (12, True)
+    >>> del os.environ["MY_TOOL_STEPS"]
+    >>> snapshot()["SMPTK_GEMM_PATH"]["value"]
+    'auto'
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ failure carries doctest's report. ``OBJECTS`` adds single functions whose exampl
 modules whose other examples are not. In the modules listed, an example that needs CUDA carries the
 doctest directive ``+SKIP`` after a comment saying so. Left out: the modules whose examples need a
 multi-process job (smptk.comm, most of smptk.parallel) or a GPU (the dense kernels' module docstrings),
-smptk._env and smptk.cli (their outputs are this machine's versions and GPUs), and smptk.kernels.runtime
-(its example assumes no interpreter, which conftest turns on).
+and smptk._env and smptk.cli (their outputs are this machine's versions and GPUs). smptk.kernels.runtime's
+examples set ``SMPTK_KERNELS`` / ``TRITON_INTERPRET`` themselves, so conftest's interpreter does not matter.
 
 The examples run on the PyTorch path (``SMPTK_KERNELS=torch``): what a CPU user pasting them gets by
 default (no ``TRITON_INTERPRET``), and far faster than the interpreter conftest enables (the MoE layer's
@@ -38,6 +38,9 @@ MODULES = [
     "smptk.kernels._dispatch",
     "smptk.kernels.moe_dispatch",
     "smptk.kernels.moe_route",
+    "smptk.kernels.runtime",
+    "smptk.parallel.checkpointing",
+    "smptk.parallel.clip",
     "smptk.parallel.config",
     "smptk.parallel.moe",
     "smptk.parallel.planner.advise",
@@ -54,8 +57,11 @@ MODULES = [
 
 # "module:function": the examples of that function alone (one process, no process group).
 OBJECTS = [
+    "smptk.comm.collectives:configure",
+    "smptk.comm.simulated:world_mode_label",
     "smptk.parallel.dcp:checkpoint_keys",
     "smptk.parallel.dcp:get_full_state_dict",
+    "smptk.parallel.dcp:save_checkpoint",
 ]
 
 

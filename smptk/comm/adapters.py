@@ -8,13 +8,28 @@
   ``module.set_custom_all_gather(...)`` / ``module.set_custom_reduce_scatter(...)`` (torch >= 2.8). FSDP2
   calls them on its own all-gather / reduce-scatter streams; they run there, in stream order.
 
-Example::
+Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU; without the
+interpreter the same calls take the torch.distributed fallback)::
 
-    >>> ddp = DistributedDataParallel(model)
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch import nn
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> from torch.nn.parallel import DistributedDataParallel
+    >>> import smptk.comm as comm
+    >>> from smptk.comm.adapters import SmptkAllGather, SmptkHookState, SmptkReduceScatter, ddp_comm_hook
+    >>> dist.init_process_group("gloo")
+    >>> ddp = DistributedDataParallel(nn.Linear(8, 4))
     >>> ddp.register_comm_hook(SmptkHookState(max_sms=8), ddp_comm_hook)
-    >>> fully_shard(block)
+    >>> ddp(torch.full((3, 8), float(dist.get_rank()))).sum().backward()
+    >>> comm.last_path(), ddp.module.weight.grad.unique()   # averaged: (3 * 0 + 3 * 1) / 2
+    ('symmetric', tensor([1.5000]))
+    >>> block = fully_shard(nn.Sequential(nn.Linear(8, 8)))
     >>> block.set_custom_all_gather(SmptkAllGather())
     >>> block.set_custom_reduce_scatter(SmptkReduceScatter())
+    >>> block(torch.ones(3, 8)).sum().backward()
+    >>> comm.last_path(), block[0].bias.grad.full_tensor().unique()   # FSDP2 averages too
+    ('symmetric', tensor([3.]))
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's annotations

@@ -18,12 +18,17 @@ collective library. The variables are read through :mod:`smptk.settings`, once p
 Under ``torch.compile`` each of the four collectives is a graph break and runs as it does eagerly
 (:func:`smptk.kernels._dispatch.outside_graphs`): Dynamo cannot trace a kernel launch on the heap.
 
-Example (under torchrun; CPU tensors need ``TRITON_INTERPRET=1`` for the symmetric path)::
+Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU; on a GPU
+node, CUDA tensors and NCCL)::
 
+    >>> import torch
+    >>> import torch.distributed as dist
     >>> import smptk.comm as comm
-    >>> t = torch.ones(1000, device="cuda")
-    >>> comm.all_reduce(t, max_sms=4)            # in place, like dist.all_reduce
-    >>> comm.last_path()
+    >>> dist.init_process_group("gloo")
+    >>> t = torch.ones(1000)
+    >>> comm.all_reduce(t, max_sms=4)[:3]        # in place, like dist.all_reduce; returns t
+    tensor([2., 2., 2.])
+    >>> comm.last_path()                         # without TRITON_INTERPRET=1: 'torch.distributed:gloo'
     'symmetric'
 """
 
@@ -68,11 +73,53 @@ ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 class CommError(RuntimeError):
-    """A collective could not run (broken heap, inconsistent arguments across ranks)."""
+    """A collective could not run (broken heap, inconsistent arguments across ranks).
+
+    The base of :class:`CommTimeoutError` and :class:`CommMismatchError`, which the symmetric path raises
+    (the torch.distributed fallback raises torch's own errors); catch it for either.
+
+    Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import smptk.comm as comm
+        >>> dist.init_process_group("gloo")
+        >>> try:
+        ...     comm.all_reduce(torch.ones(4 + 4 * dist.get_rank()))   # rank 0: 4 elements, rank 1: 8
+        ... except comm.CommError as e:
+        ...     print(type(e).__name__)
+        CommMismatchError
+        >>> comm.reset()                    # the heap is marked broken: the next call builds a new one
+    """
 
 
 class CommTimeoutError(CommError):
-    """A peer did not arrive at a barrier within ``timeout_s``; ``missing_ranks`` names it (group ranks)."""
+    """A peer did not arrive at a barrier within ``timeout_s``; ``missing_ranks`` names it (group ranks).
+
+    Raised by the symmetric path of a collective (on CPU as the call returns; on CUDA by :func:`check`,
+    or at the call's end with SMPTK_COMM_SYNC_CHECK=1). The heap is then marked broken (:func:`reset`).
+
+    Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import smptk.comm as comm
+        >>> dist.init_process_group("gloo")
+        >>> comm.configure(timeout_s=2)
+        >>> comm.all_reduce(torch.ones(4))            # both ranks: the heap is built
+        tensor([2., 2., 2., 2.])
+        >>> missing = [1]
+        >>> if dist.get_rank() == 0:                  # rank 1 makes no second call
+        ...     try:
+        ...         comm.all_reduce(torch.ones(4))
+        ...     except comm.CommTimeoutError as e:
+        ...         missing = e.missing_ranks
+        >>> missing                                   # rank 0 waited 2 s for group rank 1
+        [1]
+        >>> dist.barrier()
+        >>> comm.reset()
+        >>> comm.configure(timeout_s=300)
+    """
 
     def __init__(self, message: str, missing_ranks: list[int]):
         super().__init__(message)
@@ -81,7 +128,25 @@ class CommTimeoutError(CommError):
 
 class CommMismatchError(CommError):
     """Ranks made different calls (collective, dtype, size, op, algorithm or max_sms, or calls out of
-    step with each other); ``ranks`` names the group ranks whose call differed from this rank's."""
+    step with each other); ``ranks`` names the group ranks whose call differed from this rank's.
+
+    Raised by the symmetric path on every rank of the call, and by :func:`all_to_all_single` when the
+    ranks' split sizes disagree. The heap is then marked broken (:func:`reset`).
+
+    Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import smptk.comm as comm
+        >>> dist.init_process_group("gloo")
+        >>> rank = dist.get_rank()
+        >>> try:
+        ...     comm.all_reduce(torch.ones(4), op="max" if rank == 0 else "min")
+        ... except comm.CommMismatchError as e:
+        ...     print(e.ranks == [1 - rank])     # the other rank
+        True
+        >>> comm.reset()
+    """
 
     def __init__(self, message: str, ranks: list[int]):
         super().__init__(message)
@@ -156,9 +221,14 @@ def configure(
     pipelined; see ``smptk.kernels.collectives``). It changes no result and no tile's owner, so ranks
     may differ in it.
 
-    Example::
+    Example (one process; no process group needed)::
 
-        >>> configure(max_sms=4, timeout_s=30)
+        >>> import smptk.comm as comm
+        >>> before = comm.settings()
+        >>> comm.configure(max_sms=4, timeout_s=30)
+        >>> comm.settings()["max_sms"], comm.settings()["timeout_s"]
+        (4, 30.0)
+        >>> comm.configure(max_sms=before["max_sms"], timeout_s=before["timeout_s"])
     """
     cur = _current()
     new = _Settings(
@@ -175,7 +245,14 @@ def configure(
 
 
 def settings() -> dict[str, float | str]:
-    """The settings in force: ``{"max_sms", "timeout_s", "heap_bytes", "copy_path"}``."""
+    """The settings in force: ``{"max_sms", "timeout_s", "heap_bytes", "copy_path"}``.
+
+    Example (one process, no SMPTK_COMM_* variable set: the defaults)::
+
+        >>> import smptk.comm as comm
+        >>> comm.settings()
+        {'max_sms': 8, 'timeout_s': 300.0, 'heap_bytes': 67108864, 'copy_path': 'pointer'}
+    """
     return dataclasses.asdict(_current())
 
 
@@ -235,11 +312,18 @@ def heaps() -> list[dict]:
     (:func:`smptk._env.collect_environment`); :meth:`smptk.parallel.ParallelState.symmetric_heaps`
     keeps the ones of a parallel state's groups.
 
-    Example::
+    Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> comm.all_reduce(x)                      # the world group's first symmetric call builds its heap
-        >>> [(h["ranks"], h["heap_bytes"]) for h in comm.heaps()]
-        [((0, 1), 67108864)]
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import smptk.comm as comm
+        >>> dist.init_process_group("gloo")
+        >>> comm.heaps()
+        []
+        >>> comm.all_reduce(torch.ones(4))         # the world group's first symmetric call builds its heap
+        tensor([2., 2., 2., 2.])
+        >>> [(h["ranks"], h["backend"], h["heap_bytes"]) for h in comm.heaps()]
+        [((0, 1), 'cpu', 67108864)]
     """
     _release_destroyed()
     out = []
@@ -651,6 +735,17 @@ def check(group: dist.ProcessGroup | None = None) -> None:
 
     On CPU every call is checked as it returns; on CUDA a call returns before its kernel finishes, so a
     timeout surfaces here or, with SMPTK_COMM_SYNC_CHECK=1, at the end of every call.
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import smptk.comm as comm
+        >>> dist.init_process_group("gloo")
+        >>> t = comm.all_reduce(torch.ones(4))
+        >>> comm.check()                  # returns None: every queued collective arrived in time
+        >>> t
+        tensor([2., 2., 2., 2.])
     """
     g = _group(group)
     for heap in list(_heaps.get(g, {}).values()):
@@ -755,10 +850,15 @@ def all_reduce(
         max_sms: programs (SMs) the kernel occupies, 1..256 (default: :func:`configure`'s, 8).
         algorithm: "auto", "one_shot" or "two_shot".
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm import all_reduce
+        >>> dist.init_process_group("gloo")
         >>> t = torch.full((4,), float(dist.get_rank()))
-        >>> all_reduce(t, op="max")   # every rank: world_size - 1
+        >>> all_reduce(t, op="max")       # in place; every rank: world_size - 1
+        tensor([1., 1., 1., 1.])
     """
     g = _group(group)
     _check_tensor("tensor", tensor)
@@ -836,10 +936,15 @@ def all_gather_into_tensor(
     peer's region into ``output`` with tensor copies, the copy engines on CUDA; a second signal keeps
     the regions until every rank has read them; ``max_sms`` is unused) or "auto" ("kernel").
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm import all_gather_into_tensor
+        >>> dist.init_process_group("gloo")
         >>> out = torch.empty(dist.get_world_size() * 3)
         >>> all_gather_into_tensor(out, torch.full((3,), float(dist.get_rank())), algorithm="copy_engine")
+        tensor([0., 0., 0., 1., 1., 1.])
     """
     g = _group(group)
     _check_tensor("output", output)
@@ -918,10 +1023,15 @@ def reduce_scatter_tensor(
 
     Same semantics as ``dist.reduce_scatter_tensor``. Returns ``output``.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm import reduce_scatter_tensor
+        >>> dist.init_process_group("gloo")
         >>> out = torch.empty(3)
-        >>> reduce_scatter_tensor(out, torch.ones(dist.get_world_size() * 3))   # out == world_size
+        >>> reduce_scatter_tensor(out, torch.ones(dist.get_world_size() * 3))   # every element: world_size
+        tensor([2., 2., 2.])
     """
     g = _group(group)
     _check_tensor("output", output)
@@ -1038,10 +1148,22 @@ def all_to_all_single(
     (tensor copies of the peers' heap regions between one-program signal kernels; see
     :func:`all_gather_into_tensor`) or "auto" ("kernel"). Returns ``output``.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> out = torch.empty(sum(recv_counts), 16)
-        >>> all_to_all_single(out, x, recv_counts, send_counts)
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm import all_to_all_single
+        >>> dist.init_process_group("gloo")
+        >>> rank = dist.get_rank()
+        >>> send_counts = [1, 2] if rank == 0 else [3, 1]   # rows this rank sends to rank 0, rank 1
+        >>> recv_counts = [1, 3] if rank == 0 else [2, 1]   # rows it receives from rank 0, rank 1
+        >>> x = torch.full((sum(send_counts), 2), float(rank))
+        >>> out = torch.empty(sum(recv_counts), 2)
+        >>> _ = all_to_all_single(out, x, recv_counts, send_counts)
+        >>> received = [None, None]
+        >>> dist.all_gather_object(received, out[:, 0].tolist())
+        >>> received                                        # rank 0's rows, rank 1's rows: by sender
+        [[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
     """
     g = _group(group)
     _check_tensor("output", output)

@@ -49,13 +49,25 @@ tensor contiguous, runs the collective and moves the dimension back; outputs are
 ranks must call with the same shapes apart from ``d`` where the op allows it (all_to_all's rows).
 Backward is differentiable once: a backward with ``create_graph=True`` (for a second derivative) raises.
 
-Example (every rank of a 4-rank job, a ``(2, 2)`` mesh named ``("dp", "tp")``)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), a ``(1, 2)`` mesh named
+``("dp", "tp")``::
 
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch.distributed.device_mesh import init_device_mesh
     >>> import smptk.comm.functional as F
+    >>> dist.init_process_group("gloo")
+    >>> mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     >>> x = torch.randn(8, 6, requires_grad=True)
-    >>> y = F.all_gather(x, (mesh, "tp"), dim=1)         # [8, 12]
-    >>> z = F.reduce_scatter(y, (mesh, "tp"), dim=0)     # [4, 12]
-    >>> z.sum().backward()                               # x.grad: [8, 6]
+    >>> y = F.all_gather(x, (mesh, "tp"), dim=1)
+    >>> y.shape
+    torch.Size([8, 12])
+    >>> z = F.reduce_scatter(y, (mesh, "tp"), dim=0)
+    >>> z.shape
+    torch.Size([4, 12])
+    >>> z.sum().backward()
+    >>> x.grad.unique()      # each element of x is in both ranks' y, and so in both ranks' losses
+    tensor([2.])
 """
 
 from __future__ import annotations
@@ -93,11 +105,17 @@ def resolve_group(group: GroupLike) -> dist.ProcessGroup:
 
     ``dim`` of a mesh is a dimension name (``"tp"``) or an index; None is the default group.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
-        >>> dist.get_world_size(resolve_group((mesh, "tp")))
-        4
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from smptk.comm.functional import resolve_group
+        >>> dist.init_process_group("gloo")
+        >>> mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        >>> dist.get_world_size(resolve_group((mesh, "tp"))), dist.get_world_size(resolve_group((mesh, 0)))
+        (2, 1)
+        >>> resolve_group(None) is dist.group.WORLD
+        True
     """
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
@@ -379,9 +397,15 @@ def all_gather(
     Every rank's ``x`` has the same shape. Backward: the reduce-scatter (sum) of the gradient along
     ``dim``, so rank r receives the sum over ranks of the gradients of its block.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> y = all_gather(torch.full((2, 3), float(rank)), group, dim=1)     # [2, 3 * W]
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import all_gather
+        >>> dist.init_process_group("gloo")
+        >>> y = all_gather(torch.full((2, 3), float(dist.get_rank())), None, dim=1)     # [2, 3 * W]
+        >>> y.tolist()
+        [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]]
     """
     x = _check_x(x, min_dim=1)
     return _AllGather.apply(x, resolve_group(group), _check_dim(x, dim), max_sms)
@@ -395,9 +419,16 @@ def reduce_scatter(
     ``x.shape[dim]`` must be divisible by the group size W. Backward: the all-gather of the gradient
     (divided by W for "avg"; the tie-split subgradient for "max" / "min", see the module docstring).
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> y = reduce_scatter(torch.ones(5, 4 * W), group, dim=1)          # [5, 4], every element W
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import reduce_scatter
+        >>> dist.init_process_group("gloo")
+        >>> W = dist.get_world_size()
+        >>> y = reduce_scatter(torch.ones(5, 4 * W), None, dim=1)
+        >>> y.shape, y.unique()                    # [5, 4], every element W
+        (torch.Size([5, 4]), tensor([2.]))
     """
     x = _check_x(x, min_dim=1)
     g = resolve_group(group)
@@ -420,9 +451,15 @@ def all_reduce(
     subgradient for "max" / "min" (module docstring). For an all-reduce whose consumers are replicated,
     with the loss counted once (a tensor-parallel region), use :func:`reduce_from_group`.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> m = all_reduce(scores, group, op="max")
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import all_reduce
+        >>> dist.init_process_group("gloo")
+        >>> scores = torch.tensor([1.0, 5.0]) if dist.get_rank() == 0 else torch.tensor([3.0, 2.0])
+        >>> all_reduce(scores, None, op="max")     # scores itself is left alone
+        tensor([3., 5.])
     """
     x = _check_x(x)
     return _AllReduce.apply(x, resolve_group(group), _check_op(op), max_sms)
@@ -448,9 +485,24 @@ def all_to_all(
     (see :func:`smptk.comm.all_to_all_single`). Output: ``[sum(output_split_sizes), *x.shape[1:]]``.
     Backward: the same exchange with the splits swapped.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> y = all_to_all(x, group, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import all_to_all
+        >>> dist.init_process_group("gloo")
+        >>> rank = dist.get_rank()
+        >>> send_counts = [1, 2] if rank == 0 else [3, 1]   # rows this rank sends to rank 0, rank 1
+        >>> recv_counts = [1, 3] if rank == 0 else [2, 1]   # rows it receives from rank 0, rank 1
+        >>> x = torch.full((sum(send_counts), 2), float(rank), requires_grad=True)
+        >>> y = all_to_all(x, None, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        >>> received = [None, None]
+        >>> dist.all_gather_object(received, y[:, 0].tolist())
+        >>> received                                        # rank 0's rows, rank 1's rows: by sender
+        [[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+        >>> y.sum().backward()                              # back along the swapped splits
+        >>> x.grad.shape == x.shape
+        True
     """
     x = _check_x(x, min_dim=1)
     g = resolve_group(group)
@@ -578,11 +630,20 @@ def saved_as_shard(
         local: this rank's input to that all-gather.
         group, dim, max_sms: as given to :func:`all_gather`.
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> x_full = all_gather(x_local, group, dim=1)
-        >>> with saved_as_shard(x_full, x_local, group, dim=1):
-        ...     y = torch.nn.functional.linear(x_full, w)        # keeps x_local, not x_full
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from smptk.comm.functional import all_gather, saved_as_shard
+        >>> dist.init_process_group("gloo")
+        >>> x_local = torch.ones(4, 3, requires_grad=True)   # this rank's 3 of the 6 features
+        >>> w = torch.ones(5, 6, requires_grad=True)
+        >>> x_full = all_gather(x_local, None, dim=1)        # [4, 6]
+        >>> with saved_as_shard(x_full, x_local, None, dim=1):
+        ...     y = torch.nn.functional.linear(x_full, w)    # autograd keeps x_local, not x_full
+        >>> y.sum().backward()                              # gathers x_local again for w.grad
+        >>> w.grad.unique(), x_local.grad.unique()          # x_local: summed over both ranks' losses
+        (tensor([4.]), tensor([10.]))
     """
     g = resolve_group(group)
     d = _check_dim(_check_x(local, min_dim=1), dim)

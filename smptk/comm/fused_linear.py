@@ -34,12 +34,30 @@ bounded like every collective). ``"unfused: <why>"``: :func:`smptk.kernels.fused
 
 Legend: W ranks in the group, T_w rows per rank, T = W * T_w, K input features, N_local output features.
 
-Example (under torchrun, CUDA; CPU tensors under ``TRITON_INTERPRET=1`` take the same kernel)::
+Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU; CUDA tensors
+take the same kernels; without the interpreter, CPU tensors take the unfused path)::
 
-    >>> y, path = all_gather_linear(x_local, w_local, b_local, group=tp_group, activation="gelu")
-    >>> y.shape, path                      # (W * T_w, N_local), "fused"
-    >>> out, path = linear_reduce_scatter(y, w2_local, b2, group=tp_group)
-    >>> out.shape, path                    # (T_w, N2), "fused"
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> import torch.nn.functional as F
+    >>> from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
+    >>> dist.init_process_group("gloo")
+    >>> r, W = dist.get_rank(), dist.get_world_size()
+    >>> T_w, K, N, N2 = 4, 16, 24, 16
+    >>> _ = torch.manual_seed(0)                    # the same whole tensors on every rank
+    >>> x, w, b = torch.randn(W * T_w, K), torch.randn(N, K), torch.randn(N)
+    >>> w2, b2 = torch.randn(N2, N), torch.randn(N2)
+    >>> cols = slice(r * N // W, (r + 1) * N // W)  # this rank's N_local features
+    >>> x_local = x[r * T_w : (r + 1) * T_w]        # this rank's block of the sequence
+    >>> y, path = all_gather_linear(x_local, w[cols], b[cols], group=None, activation="gelu")
+    >>> y.shape, path                               # (W * T_w, N_local)
+    (torch.Size([8, 12]), 'fused')
+    >>> out, path = linear_reduce_scatter(y, w2[:, cols].contiguous(), b2, group=None)
+    >>> out.shape, path                             # (T_w, N2)
+    (torch.Size([4, 16]), 'fused')
+    >>> ref = F.linear(F.gelu(F.linear(x, w, b)), w2, b2)[r * T_w : (r + 1) * T_w]
+    >>> torch.allclose(out, ref, atol=1e-4)
+    True
 """
 
 from __future__ import annotations
@@ -95,7 +113,7 @@ def _unfused_reason(x: torch.Tensor, w: torch.Tensor, heap, world: int, scatter:
 def _fused_scatter(x, w, bias, g: dist.ProcessGroup, heap, programs: int) -> torch.Tensor:
     """The GEMM + reduce-scatter: this rank's ``[T_w, N]`` block of ``sum over ranks of x @ w.T``, + bias."""
     world = heap.world_size
-    T, K, N = x.shape[0], x.shape[1], w.shape[0]
+    T, N = x.shape[0], w.shape[0]
     out = new_buffer((T // world, N), x.dtype, x.device)
     ready = torch.zeros(2 + world, dtype=torch.int32, device=x.device)
     op = _gc.MatmulReduceScatter(
@@ -260,6 +278,9 @@ def all_gather_linear(
         gathered_out: optional ``[W * T_w, K]`` tensor that receives the gathered input (for a weight
             gradient computed elsewhere); not differentiable.
         algorithm: "auto" (fused where the heap applies), "fused" (raise where it does not) or "unfused".
+            "fused" is about the forward: the backward takes the other op's fused kernel where the heap
+            applies to it and the unfused path otherwise (partials larger than the heap), and
+            :func:`last_backward_path` says which.
 
     Returns:
         ``out [W * T_w, N_local]`` (differentiable in x_local, weight_local and bias) and the path:
@@ -360,6 +381,9 @@ def linear_reduce_scatter(
         group: the tensor-parallel ProcessGroup (None: the world).
         max_sms: programs (SMs) of the reduce stage, 1..256 (default: :func:`smptk.comm.configure`'s).
         algorithm: "auto" (fused where the heap applies), "fused" (raise where it does not) or "unfused".
+            "fused" is about the forward: the backward takes the other op's fused kernel where the heap
+            applies to it and the unfused path otherwise (partials larger than the heap), and
+            :func:`last_backward_path` says which.
 
     Returns:
         ``out [T / W, N]``, rows ``[rank * T / W, (rank + 1) * T / W)`` of the sum (differentiable in x,

@@ -18,10 +18,20 @@ Backends:
   some process maps it, so nothing is left behind by a crash, a killed peer or a failing test. The same
   Triton kernels run on these addresses under ``TRITON_INTERPRET=1``.
 
-Example::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-    >>> heap = SymmetricHeap.create(group, heap_bytes=1 << 20, backend="cpu")
-    >>> heap.data_ptrs          # int64 [world]: address of each rank's data region
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from smptk.comm.heap import SymmetricHeap
+    >>> dist.init_process_group("gloo")
+    >>> heap = SymmetricHeap.create(dist.group.WORLD, heap_bytes=1 << 20, backend="cpu")
+    >>> heap.data_ptrs.dtype, heap.data_ptrs.shape    # the address of each rank's data region
+    (torch.int64, torch.Size([2]))
+    >>> _ = heap.data(torch.float32, 2).fill_(dist.get_rank())   # this rank's own region
+    >>> dist.barrier()
+    >>> [heap.peer_data(q, torch.float32, 2).tolist() for q in range(2)]   # every rank reads both
+    [[0.0, 0.0], [1.0, 1.0]]
+    >>> dist.barrier()
     >>> heap.close()
 """
 

@@ -36,14 +36,16 @@ Messages must fit in one region (no chunking here, unlike :mod:`smptk.comm.colle
 is asynchronous on CUDA (no host sync inside a launch), so CUDA events can time it. ``max_sms=0`` runs
 all-gather and all-to-all as the collectives' ``algorithm="copy_engine"``.
 
-Example::
+Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
     >>> import torch
     >>> from smptk.comm.simulated import SimulatedWorld
-    >>> sim = SimulatedWorld(world=8, heap_bytes=1 << 20, device="cuda")
-    >>> sim.fill_peers(lambda q: torch.full((1000,), float(q), dtype=torch.bfloat16, device="cuda"))
-    >>> x = torch.ones(1000, dtype=torch.bfloat16, device="cuda")
-    >>> out = sim.all_reduce(x, max_sms=4)   # 1 + (1 + 2 + ... + 7) = 29 everywhere
+    >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+    >>> sim = SimulatedWorld(world=8, heap_bytes=1 << 20, device=device)
+    >>> sim.fill_peers(lambda q: torch.full((1000,), float(q), dtype=torch.bfloat16, device=device))
+    >>> x = torch.ones(1000, dtype=torch.bfloat16, device=device)
+    >>> sim.all_reduce(x, max_sms=4).unique()   # 1 + (1 + 2 + ... + 7) = 29 everywhere
+    tensor([29.], dtype=torch.bfloat16)
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def world_mode_label(world: int, device: str | torch.device = "cuda") -> str:
 
     Example::
 
+        >>> from smptk.comm.simulated import world_mode_label
         >>> world_mode_label(8)
         "simulated world: 8 peer buffers in one GPU's memory, one rank's kernel timed; not a multi-GPU ..."
     """
@@ -98,9 +101,12 @@ class SimulatedWorld:
     waits), ``calls`` (launches so far); and ``label`` (see :func:`world_mode_label`). Regions and pads
     start zeroed. Data types are chosen per call.
 
-    Example::
+    Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-        >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device="cpu")   # needs TRITON_INTERPRET=1
+        >>> import torch
+        >>> from smptk.comm.simulated import SimulatedWorld
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
         >>> sim.data_ptrs.shape, sim.status.shape
         (torch.Size([4]), torch.Size([8]))
     """
@@ -160,9 +166,15 @@ class SimulatedWorld:
     def label(self) -> str:
         """:func:`world_mode_label` for this world (put it in every row measured here).
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> row["world_mode"] = sim.label
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> row = {"world_mode": sim.label}      # a benchmark row
+            >>> row["world_mode"].startswith("simulated world: 4 peer buffers in one")
+            True
         """
         return world_mode_label(self.world_size, self.device)
 
@@ -173,9 +185,15 @@ class SimulatedWorld:
         A view: writing it stages data as peer q would have. Region ``self.rank`` is the running rank's
         own staging buffer, which every launch overwrites.
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> sim.peer_region(1, torch.float16, 7).fill_(3.0)
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> _ = sim.peer_region(1, torch.float16, 7).fill_(3.0)    # stage what peer 1 would
+            >>> sim.peer_region(1, torch.float16, 3).tolist()
+            [3.0, 3.0, 3.0]
         """
         q = C._as_int("q", q)
         if not 0 <= q < self.world_size:
@@ -199,9 +217,15 @@ class SimulatedWorld:
     def fill_peers(self, values: Callable[[int], torch.Tensor]) -> None:
         """For every rank q != ``self.rank``: copy ``values(q)`` (flattened) to the start of region q.
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> sim.fill_peers(lambda q: torch.full((1000,), float(q), dtype=torch.bfloat16, device="cuda"))
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> sim.fill_peers(lambda q: torch.full((1000,), float(q), dtype=torch.bfloat16, device=device))
+            >>> [sim.peer_region(q, torch.bfloat16, 2).tolist() for q in range(4)]   # region 0: this rank's
+            [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
         """
         for q in range(self.world_size):
             if q == self.rank:
@@ -246,9 +270,19 @@ class SimulatedWorld:
 
         ``algorithm``: "one_shot" (read every region) or "two_shot" (reduce own slice, gather the others).
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> out = sim.all_reduce(x, op="max", algorithm="two_shot", max_sms=2)
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> sim.fill_peers(lambda q: torch.full((8,), float(q), device=device))
+            >>> x = torch.zeros(8, device=device)
+            >>> sim.all_reduce(x, op="max", algorithm="two_shot", max_sms=2).tolist()   # slices of 4 fp32
+            [3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+
+        Slice 0 (this rank's) is the maximum; slice 1 is what peer 1 left in its region (on a real node,
+        its reduction), see the module docstring.
         """
         if algorithm not in ("one_shot", "two_shot"):
             raise ValueError(f"algorithm: expected 'one_shot' or 'two_shot', got {algorithm!r}")
@@ -268,9 +302,16 @@ class SimulatedWorld:
         copy, the one-program signal kernel (which waits for no peer here), one tensor copy per region,
         the closing signal kernel.
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> out = sim.all_gather(torch.arange(5, dtype=torch.int32), max_sms=1)   # 4 * 5 elements
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> sim.fill_peers(lambda q: torch.full((5,), q, dtype=torch.int32, device=device))
+            >>> out = sim.all_gather(torch.arange(5, dtype=torch.int32, device=device), max_sms=1)
+            >>> out.view(4, 5).tolist()                      # 4 * 5 elements: block q from rank q
+            [[0, 1, 2, 3, 4], [1, 1, 1, 1, 1], [2, 2, 2, 2, 2], [3, 3, 3, 3, 3]]
         """
         C._check_tensor("input", input)
         p = 0 if max_sms == 0 else C._max_sms(max_sms)
@@ -287,9 +328,15 @@ class SimulatedWorld:
     ) -> torch.Tensor:
         """Rank ``self.rank``'s reduce-scatter of ``input [world * n]`` into ``out [n]`` (block ``rank``).
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> out = sim.reduce_scatter(torch.ones(4 * 5), op="sum", max_sms=3)   # 5 elements
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> sim.fill_peers(lambda q: torch.ones(4 * 5, device=device))     # the peers' inputs
+            >>> sim.reduce_scatter(torch.ones(4 * 5, device=device), op="sum", max_sms=3).tolist()
+            [4.0, 4.0, 4.0, 4.0, 4.0]
         """
         C._check_tensor("input", input)
         code, p = C._op_code(op), C._max_sms(max_sms)
@@ -312,9 +359,15 @@ class SimulatedWorld:
         Block d of ``input`` goes to rank d; block q of ``out`` comes from rank q. ``max_sms=0``: the
         copy-engine algorithm, as in :meth:`all_gather`.
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> out = sim.all_to_all(torch.arange(4 * 3, dtype=torch.int32), max_sms=2)
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> sim.fill_peers(lambda q: torch.full((4 * 3,), q, dtype=torch.int32, device=device))
+            >>> sim.all_to_all(torch.arange(4 * 3, dtype=torch.int32, device=device), max_sms=2).tolist()
+            [0, 1, 2, 1, 1, 1, 2, 2, 2, 3, 3, 3]
         """
         C._check_tensor("input", input)
         p = 0 if max_sms == 0 else C._max_sms(max_sms)
@@ -352,9 +405,16 @@ class SimulatedWorld:
     ) -> torch.Tensor:
         """The collective named ``kind`` (one of :data:`KINDS`, as ``bench.counts`` names them).
 
-        Example::
+        Example (one process; on CPU under ``TRITON_INTERPRET=1``, set before smptk.kernels is imported)::
 
-            >>> sim.run("all_reduce_two_shot", x, out, max_sms=4)
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
+            >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+            >>> sim = SimulatedWorld(world=4, heap_bytes=4096, device=device)
+            >>> sim.fill_peers(lambda q: torch.ones(8, device=device))
+            >>> x, out = torch.ones(8, device=device), torch.empty(8, device=device)
+            >>> sim.run("all_reduce_two_shot", x, out, max_sms=4).tolist()   # slice 1: peer 1's region
+            [4.0, 4.0, 4.0, 4.0, 1.0, 1.0, 1.0, 1.0]
         """
         if kind == "all_reduce_one_shot":
             return self.all_reduce(input, out, op=op, algorithm="one_shot", max_sms=max_sms)
@@ -378,6 +438,8 @@ class SimulatedWorld:
 
         Example::
 
+            >>> import torch
+            >>> from smptk.comm.simulated import SimulatedWorld
             >>> SimulatedWorld.io_numel("all_gather", 8, 8 << 20, torch.bfloat16)
             (524288, 4194304)
         """

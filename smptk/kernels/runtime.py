@@ -32,11 +32,22 @@ Without Triton installed (:func:`triton_available` false) every call takes the P
 and is an error under ``triton``. Nothing here imports triton: availability is a look-up in the import
 system, so choosing the PyTorch path never loads it.
 
-Example::
+Example (one process; it sets ``SMPTK_KERNELS`` and ``TRITON_INTERPRET`` for the rest of it)::
 
+    >>> import os
+    >>> import torch
     >>> from smptk.kernels import runtime
-    >>> runtime.select_path(torch.empty(2, device="cpu"))  # no interpreter, CPU tensor
+    >>> os.environ["SMPTK_KERNELS"] = "auto"
+    >>> os.environ["TRITON_INTERPRET"] = "0"
+    >>> runtime.select_path(torch.empty(2, device="cpu"))   # no interpreter, CPU tensor
     'torch'
+    >>> runtime.select_path(torch.empty(2, device="meta"))  # meta: always the PyTorch path
+    'torch'
+    >>> os.environ["SMPTK_KERNELS"] = "triton"
+    >>> runtime.select_path(torch.empty(2, device="cpu"))
+    Traceback (most recent call last):
+    RuntimeError: SMPTK_KERNELS=triton but tensors are on cpu; Triton runs on CUDA, or on CPU with ...
+    >>> del os.environ["SMPTK_KERNELS"], os.environ["TRITON_INTERPRET"]
 """
 
 from __future__ import annotations
@@ -53,24 +64,64 @@ PATHS = ("triton", "torch")
 
 
 def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the host (read as Triton does)."""
+    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the host (read as Triton does).
+
+    Example (one process; it sets ``TRITON_INTERPRET`` for the rest of it)::
+
+        >>> import os
+        >>> from smptk.kernels import runtime
+        >>> os.environ["TRITON_INTERPRET"] = "y"         # Triton's words: 1/true/yes/on/y, any case
+        >>> runtime.interpreter_enabled()
+        True
+        >>> os.environ["TRITON_INTERPRET"] = "0"
+        >>> runtime.interpreter_enabled()
+        False
+        >>> del os.environ["TRITON_INTERPRET"]
+    """
     return settings.triton_interpret()
 
 
 def interpreter_at_import() -> bool | None:
     """Whether the kernels are built for Triton's interpreter (``TRITON_INTERPRET`` when triton was imported);
-    None while triton is not imported, so the next Triton-path call builds them as the variable is then."""
+    None while triton is not imported, so the next Triton-path call builds them as the variable is then.
+
+    Example (one process with triton installed; in a fresh process it is None until triton is imported)::
+
+        >>> import triton                                 # by any code, or by smptk's first Triton-path call
+        >>> from smptk.kernels import runtime
+        >>> runtime.interpreter_at_import() in (True, False)   # fixed from now on, whatever the variable says
+        True
+    """
     return _triton.interpreter_at_import()
 
 
 def triton_available() -> bool:
     """True when the ``triton`` package imports (it does on Linux; elsewhere only the torch path runs).
-    Does not import it."""
+    Does not import it.
+
+    Example (Linux, with triton installed, as smptk's requirements install it)::
+
+        >>> from smptk.kernels import runtime
+        >>> runtime.triton_available()
+        True
+    """
     return _triton.available()
 
 
 def requested_path() -> str:
-    """The value of ``SMPTK_KERNELS`` ("triton", "torch" or "auto"), validated."""
+    """The value of ``SMPTK_KERNELS`` ("triton", "torch" or "auto"), validated.
+
+    Example (one process; it sets ``SMPTK_KERNELS`` for the rest of it)::
+
+        >>> import os
+        >>> from smptk.kernels import runtime
+        >>> os.environ["SMPTK_KERNELS"] = " Torch "        # case and surrounding spaces are ignored
+        >>> runtime.requested_path()
+        'torch'
+        >>> del os.environ["SMPTK_KERNELS"]
+        >>> runtime.requested_path()                      # unset: the default
+        'auto'
+    """
     return settings.kernels()
 
 
@@ -104,7 +155,20 @@ def _triton_blocker(device: torch.device, dtype: torch.dtype | None = None) -> s
 
 
 def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (a DTensor loaded it)."""
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (a DTensor loaded it).
+
+    Example (one process; a DTensor needs a process group and a device mesh)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.tensor import DeviceMesh, distribute_tensor
+        >>> from smptk.kernels import runtime
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> dt = distribute_tensor(torch.ones(2), DeviceMesh("cpu", [0]))
+        >>> runtime.is_dtensor(dt), runtime.is_dtensor(dt.to_local()), runtime.is_dtensor(None)
+        (True, False, False)
+        >>> dist.destroy_process_group()
+    """
     dtensor = sys.modules.get("torch.distributed.tensor")  # loaded wherever a DTensor exists; never import it
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 

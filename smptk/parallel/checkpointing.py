@@ -34,12 +34,30 @@ CPU tensors stay where they are (there is nowhere to offload to).
 Apply it before :func:`~smptk.parallel.apply_data_parallel` (as torchtitan applies AC before FSDP): FSDP2
 gathers a unit's parameters again for its recompute.
 
-Example::
+Example (one process, a world of 1; under torchrun every rank runs the same lines)::
 
-    >>> state = smptk.parallel.init({"activation_checkpointing": "full"})
-    >>> apply_activation_checkpointing(model, state)        # every block of model.layers
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch import nn
+    >>> import smptk.parallel as sp
+    >>> class Net(nn.Module):
+    ...     def __init__(self, blocks=2):
+    ...         super().__init__()
+    ...         block = lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    ...         self.layers = nn.ModuleList(block() for _ in range(blocks))
+    ...     def forward(self, x):
+    ...         for layer in self.layers:
+    ...             x = layer(x)
+    ...         return x
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> state = sp.init({"activation_checkpointing": "full"})
+    >>> model = Net()
+    >>> sp.apply_activation_checkpointing(model, state)     # every block of model.layers
     ['layers.0', 'layers.1']
-    >>> model, report = apply_data_parallel(model, state)
+    >>> model, report = sp.apply_data_parallel(model, state)
+    >>> model(torch.randn(4, 8)).sum().backward()          # each block's forward runs again in backward
+    >>> sp.reset()
+    >>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -96,6 +114,9 @@ def saved_ops() -> frozenset:
 
     Example::
 
+        >>> import torch
+        >>> import smptk.kernels                       # registers the torch.ops.smptk ops
+        >>> from smptk.parallel.checkpointing import saved_ops
         >>> torch.ops.smptk.fused_linear_fwd.default in saved_ops()
         True
     """
@@ -181,6 +202,19 @@ class ActivationOffloader:
 
     Example (a machine without a GPU: ``offload_cpu`` runs the bookkeeping on CPU tensors)::
 
+        >>> import torch
+        >>> from torch import nn
+        >>> from smptk.parallel import ActivationOffloader, apply_activation_checkpointing
+        >>> class Net(nn.Module):
+        ...     def __init__(self, blocks=2):
+        ...         super().__init__()
+        ...         block = lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        ...         self.layers = nn.ModuleList(block() for _ in range(blocks))
+        ...     def forward(self, x):
+        ...         for layer in self.layers:
+        ...             x = layer(x)
+        ...         return x
+        >>> model, x = Net(blocks=3), torch.randn(4, 8)
         >>> off = ActivationOffloader(horizon=2, offload_cpu=True)
         >>> apply_activation_checkpointing(model, mode="full", offloader=off)   # model.layers: 3 blocks
         ['layers.0', 'layers.1', 'layers.2']
@@ -314,7 +348,7 @@ class ActivationOffloader:
         """Offload what ``unit`` saves outside its own checkpoint (its positional tensor inputs, see the
         class docstring), naming it ``index`` in the log: a forward pre-hook ahead of every other enters
         the saved-tensor hooks, a forward hook after them leaves."""
-        state: list = [None]  # (hooks, seen, elsewhere) of the unit forward in progress
+        state: list = [None]  # (hooks, entry, seen, elsewhere) of the unit forward in progress
 
         def enter(module, args, kwargs):
             # not in backward: a checkpoint's recompute runs the forward again, and must keep its own hooks

@@ -10,10 +10,17 @@ that mesh by ``full_tensor``; a replicated gradient counts once), combines the g
 total and scales every gradient's local shard by torch's clip coefficient. No host sync; one all-reduce
 per mesh that holds sharded gradients.
 
-Example (every rank)::
+Example (one process; under torchrun every rank runs the same lines on its parallelized model)::
 
+    >>> import torch
+    >>> from smptk.parallel import clip_grad_norm_
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> loss = model(torch.ones(3, 4)).sum()
     >>> loss.backward()
     >>> total = clip_grad_norm_(model.parameters(), max_norm=1.0)   # as torch's, on any mix of meshes
+    >>> total                                 # the norm before clipping: sqrt(8 * 3**2 + 2 * 3**2)
+    tensor(9.4868)
     >>> opt.step()
 """
 
@@ -54,6 +61,8 @@ def clip_grad_norm_(
 
     Example (one process; every rank of a job runs the same call)::
 
+        >>> import torch
+        >>> from smptk.parallel import clip_grad_norm_
         >>> p = torch.nn.Parameter(torch.zeros(2))
         >>> p.grad = torch.tensor([3.0, 4.0])
         >>> clip_grad_norm_([p], max_norm=1.0)

@@ -341,6 +341,19 @@ class ParallelState:
         coords: dim name -> this rank's coordinate along it (its rank within that dim's group).
         comm_max_sms: the config's ``comm_max_sms`` (None: ``smptk.comm``'s own setting); layers pass it
             to the collectives that take ``max_sms`` per call (0 for the copy-engine paths).
+
+    Example (one process: a world of 1, where every size is 1; under torchrun every rank calls ``init``)::
+
+        >>> import torch.distributed as dist
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> state = sp.init({"tensor_parallel_degree": 1})
+        >>> state.world_size, state.rank, state.device_type, state.mesh.mesh_dim_names
+        (1, 0, 'cpu', ('dp_replicate', 'dp_shard', 'tp'))
+        >>> state.sizes["tp"], state.coords["tp"], state.ranks("tp")
+        (1, 0, (0,))
+        >>> sp.reset()
+        >>> dist.destroy_process_group()
     """
 
     config: ParallelConfig

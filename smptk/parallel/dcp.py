@@ -27,11 +27,26 @@ only when an optimizer is given, ``step`` and ``extra`` only when given), flatte
 
 Every call is collective over the default process group (every rank calls it with the same path).
 
-Example (every rank, under torchrun)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU). Saved under tensor parallelism and
+loaded into the plain model, as a later run under another config, or one process without torchrun, would::
 
-    >>> save_checkpoint("ckpt/step100", model, opt, step=100)       # under TP 2 x HSDP
-    ... # a later run, another config (or one process, no torchrun)
-    >>> step = load_checkpoint("ckpt/step100", model, opt)          # 100
+    >>> import tempfile
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> import smptk.parallel as sp
+    >>> from smptk.parallel import load_checkpoint, save_checkpoint
+    >>> dist.init_process_group("gloo")
+    >>> path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    >>> dist.broadcast_object_list(path)                    # one directory every rank sees
+    >>> state = sp.init({"tensor_parallel_degree": 2})
+    >>> model = sp.ColumnParallelLinear(8, 4)               # weight Shard(0) over the 2 ranks
+    >>> opt = torch.optim.AdamW(model.parameters())
+    >>> save_checkpoint(path[0] + "/step100", model, opt, step=100)
+    >>> plain = torch.nn.Linear(8, 4)
+    >>> load_checkpoint(path[0] + "/step100", plain)
+    100
+    >>> torch.equal(plain.weight, model.weight.full_tensor())
+    True
 """
 
 from __future__ import annotations
@@ -189,11 +204,23 @@ def save_checkpoint(
     the token counts an :class:`smptk.parallel.MoE` gathered since its last ``update_expert_bias`` (a
     warning says when some are pending: save right after an update for an exact resume).
 
-    Example::
+    Example (one process, no process group; under torchrun every rank makes the same calls)::
 
+        >>> import tempfile
+        >>> import torch
+        >>> from smptk.parallel import load_checkpoint, save_checkpoint
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-        >>> save_checkpoint("ckpt/step100", model, opt, step=100, extra={"sched": sched})
-        >>> load_checkpoint("ckpt/step100", model, opt, extra={"sched": sched})   # 100; sched restored
+        >>> opt.step(), sched.step()
+        (None, None)
+        >>> path = tempfile.mkdtemp() + "/step100"
+        >>> save_checkpoint(path, model, opt, step=100, extra={"sched": sched})
+        >>> sched2 = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+        >>> load_checkpoint(path, model, opt, extra={"sched": sched2})
+        100
+        >>> sched2.last_epoch                             # the scheduler restored
+        1
     """
     path = _check_path(path)
     _check_model_optimizer(model, optimizer)
@@ -435,6 +462,22 @@ def load_full_state_dict(
         optimizer_state: on rank 0 the full optimizer state dict (``get_full_state_dict(...)["optim"]``),
             required when ``optimizer`` is given; None elsewhere.
         strict: every parameter must be in ``model_state``.
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> state = sp.init({"mixed_precision": "fp32"})
+        >>> _ = torch.manual_seed(dist.get_rank())         # a different draw on each rank...
+        >>> full = nn.Linear(4, 2)
+        >>> model, report = sp.apply_data_parallel(nn.Linear(4, 2), state)
+        >>> sp.load_full_state_dict(model, full.state_dict() if dist.get_rank() == 0 else None)
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(model.weight.full_tensor(), nn.Linear(4, 2).weight)   # ...rank 0's on every rank
+        True
     """
     _check_model_optimizer(model, optimizer)
     options_cls = _check_broadcast_support()

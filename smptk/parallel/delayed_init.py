@@ -49,14 +49,25 @@ earlier one's parameter (Hugging Face's ``lm_head.weight = embed_tokens.weight``
 (nanoGPT's ``wte.weight = lm_head.weight``, whose eager values are the head's draw) gets the embedding's
 draw.
 
-Example::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-    >>> state = smptk.parallel.init({"delayed_parameter_initialization": True})
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch import nn
+    >>> import smptk.parallel as sp
+    >>> dist.init_process_group("gloo")
+    >>> def build_model():
+    ...     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    >>> state = sp.init({"delayed_parameter_initialization": True})
     >>> with torch.device("meta"):
     ...     model = build_model()
-    >>> model, report = apply_data_parallel(model, state)
-    >>> materialize(model, state)                     # this rank's shards, on state's device
-    12
+    >>> model, report = sp.apply_data_parallel(model, state)
+    >>> sp.materialize(model, state)                  # this rank's shards, on state's device
+    3
+    >>> _ = torch.manual_seed(state.seed_for())
+    >>> eager = build_model()                         # the values an eager build draws
+    >>> torch.equal(model[2].weight.full_tensor(), eager[2].weight)
+    True
 """
 
 from __future__ import annotations
@@ -205,10 +216,21 @@ def refill_rotary(model: nn.Module) -> int:
     from its config on the CPU; returns how many modules were refilled. :func:`materialize` runs it (these
     modules have no ``reset_parameters``, and a checkpoint does not hold their non-persistent buffers).
 
-    Example::
+    Example (one process)::
 
-        >>> refill_rotary(model)    # a transformed Llama's rotary tables, after to_empty()
+        >>> import torch
+        >>> import transformers
+        >>> from smptk.parallel.delayed_init import refill_rotary
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+        ...                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> with torch.device("meta"):
+        ...     model = transformers.LlamaForCausalLM(cfg)
+        >>> model = model.to_empty(device="cpu")          # the rotary tables are uninitialized memory now
+        >>> refill_rotary(model)
         1
+        >>> fresh = transformers.LlamaForCausalLM(cfg)
+        >>> torch.equal(model.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
+        True
     """
     done = 0
     for module in model.modules():

@@ -39,12 +39,36 @@ all-to-all brings them), so FSDP2 over the ``(dp_replicate, edp_shard)`` ranks a
 experts' gradient divide factor to ``dp`` (torchtitan does the same), so every gradient is the mean over
 the data-parallel batch.
 
-Example (every rank; world 4, EP 2 x DP 2)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), EP 2 x DP 1; a world of 4 makes
+EP 2 x DP 2 with the same lines::
 
-    >>> state = smptk.parallel.init({"expert_parallel_degree": 2})
-    >>> apply_expert_parallel(model, state)          # EP over "ep", FSDP2 over (dp_replicate, edp_shard)
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch import nn
+    >>> import smptk.parallel as sp
+    >>> dist.init_process_group("gloo")
+    >>> state = sp.init({"expert_parallel_degree": 2, "mixed_precision": "fp32"})
+    >>> class Layer(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.moe = sp.MoE(16, 32, num_experts=4, top_k=2)
+    ...     def forward(self, x):
+    ...         return x + self.moe(x)
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.layers = nn.ModuleList(Layer() for _ in range(2))
+    ...     def forward(self, x):
+    ...         for layer in self.layers:
+    ...             x = layer(x)
+    ...         return x
+    >>> model = Net()
+    >>> sp.apply_expert_parallel(model, state)       # EP over "ep", FSDP2 over (dp_replicate, edp_shard)
     ['layers.0.moe', 'layers.1.moe']
-    >>> model, report = apply_data_parallel(model, state)   # the rest: FSDP2 over (dp_replicate, dp_shard)
+    >>> model, report = sp.apply_data_parallel(model, state)   # the rest: FSDP2 over (dp_replicate, dp_shard)
+    >>> model(torch.randn(5, 16)).sum().backward()
+    >>> model.layers[0].moe.experts.w_gate.grad.to_local().shape   # this rank's 2 of the 4 experts
+    torch.Size([2, 32, 16])
 """
 
 from __future__ import annotations
@@ -211,6 +235,22 @@ class ExpertParallel(ParallelStyle):
     its router and shared experts stay plain (replicated) parameters for data parallelism. Weights come
     from group rank ``src_data_rank`` of the mesh (``parallelize_module``'s argument; None: each rank's
     own, which the MoE draws alike from the same seed).
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.tensor.parallel import parallelize_module
+        >>> import smptk.parallel as sp
+        >>> from smptk.parallel import ExpertParallel
+        >>> dist.init_process_group("gloo")
+        >>> state = sp.init({"expert_parallel_degree": 2})
+        >>> model = torch.nn.ModuleDict({"moe": sp.MoE(16, 32, num_experts=4, top_k=2)})
+        >>> model = parallelize_module(model, state.submesh("ep"), {"moe": ExpertParallel()})
+        >>> model["moe"].experts.w_gate.to_local().shape    # this rank's 2 of the 4 experts
+        torch.Size([2, 32, 16])
+        >>> model["moe"](torch.randn(5, 16)).shape            # rows exchanged with the other rank
+        torch.Size([5, 16])
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -50,12 +50,28 @@ collective was set to ("smptk all-gather (max_sms=8)", "torch (reason)") and cou
 the path each smptk call really took (``smptk.comm.last_path()``: "symmetric", "copy_engine", or the
 torch.distributed fallback a call can still take), so a silent fallback shows.
 
-Example (every rank, under torchrun)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU). A world of 8 takes
+``{"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}`` with the same lines::
 
-    >>> state = smptk.parallel.init({"tensor_parallel_degree": 2, "hybrid_shard_degree": 2})
-    >>> parallelize_module(model, state.submesh("tp"), plan)        # tensor parallelism first
-    >>> model, report = apply_data_parallel(model, state)
-    >>> print(report.describe())        # after a step: the calls each collective took, per path
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch import nn
+    >>> from torch.distributed.tensor.parallel import parallelize_module
+    >>> import smptk.parallel as sp
+    >>> from smptk.parallel import SmptkColwiseParallel, SmptkRowwiseParallel
+    >>> dist.init_process_group("gloo")
+    >>> state = sp.init({"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> plan = {"0": SmptkColwiseParallel(), "2": SmptkRowwiseParallel()}
+    >>> model = parallelize_module(model, state.submesh("tp"), plan)     # tensor parallelism first
+    >>> model, report = sp.apply_data_parallel(model, state)
+    >>> model(torch.randn(3, 8)).sum().backward()
+    >>> for line in report.describe().splitlines()[:2]:   # then a block per unit: its calls, per path
+    ...     print(line)
+    data parallel: full_shard on fsdp2 (dp_replicate 1, dp_shard 1, tp 2; param as is, reduce as is)
+    why: the dp_shard group has 1 rank: there is nothing to gather or scatter
+    >>> [unit.name for unit in report.units]
+    ['2', '0', '']
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's annotations with

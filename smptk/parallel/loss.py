@@ -19,11 +19,27 @@ from the forward), times the upstream gradient; tokens whose target is ``ignore_
 the gradient has the logits' dtype. The collectives are :func:`smptk.comm.all_reduce`, so the symmetric
 heap and its torch.distributed fallback apply.
 
-Example (each rank of a 2-rank tensor-parallel group, vocabulary 1000)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), a 2-rank tensor-parallel group,
+vocabulary 1000::
 
-    >>> head = ColumnParallelLinear(512, 1000, bias=False)               # weight Shard(0) over V
-    >>> loss = vocab_parallel_cross_entropy(head(h), target)            # logits_local [b, s, 500]
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> import torch.nn.functional as F
+    >>> import smptk.parallel as sp
+    >>> from smptk.parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+    >>> dist.init_process_group("gloo")
+    >>> state = sp.init({"tensor_parallel_degree": 2})
+    >>> _ = torch.manual_seed(0)                       # the same h and target on every rank
+    >>> h, target = torch.randn(2, 3, 64), torch.randint(0, 1000, (2, 3))
+    >>> head = ColumnParallelLinear(64, 1000, bias=False)                 # weight Shard(0) over V
+    >>> logits_local = head(h)
+    >>> logits_local.shape
+    torch.Size([2, 3, 500])
+    >>> loss = vocab_parallel_cross_entropy(logits_local, target)
     >>> loss.backward()
+    >>> ref = F.cross_entropy(F.linear(h, head.weight.full_tensor()).reshape(-1, 1000), target.reshape(-1))
+    >>> torch.allclose(loss, ref, atol=1e-5)
+    True
 """
 
 from __future__ import annotations

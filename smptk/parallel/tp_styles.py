@@ -19,14 +19,37 @@ Converting a weight that another module shares (an embedding tied to ``lm_head``
 styles do; the head keeps the old full tensor. Both are ``[V, H]`` split by vocabulary rows, so after
 ``parallelize_module`` tie them again: ``model.lm_head.weight = model.embed.weight``.
 
-Example (every rank of the tensor-parallel group)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), a tensor-parallel group of 2::
 
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> from torch import nn
     >>> from torch.distributed.tensor.parallel import parallelize_module
-    >>> parallelize_module(model, state.submesh("tp"), {
+    >>> import smptk.parallel as sp
+    >>> from smptk.parallel import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
+    >>> dist.init_process_group("gloo")
+    >>> state = sp.init({"tensor_parallel_degree": 2})
+    >>> class MLP(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+    ...     def forward(self, x):
+    ...         return self.down(torch.relu(self.up(x)))
+    >>> class Model(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.embed, self.mlp = nn.Embedding(50, 16), MLP()
+    ...         self.lm_head = nn.Linear(16, 50, bias=False)
+    ...     def forward(self, ids):
+    ...         return self.lm_head(self.mlp(self.embed(ids)))
+    >>> model = Model()
+    >>> model = parallelize_module(model, state.submesh("tp"), {
     ...     "embed": SmptkVocabParallel(),
     ...     "mlp.up": SmptkColwiseParallel(), "mlp.down": SmptkRowwiseParallel(),
     ...     "lm_head": SmptkColwiseParallel(),     # vocab-sharded logits: vocab_parallel_cross_entropy
     ... })
+    >>> model(torch.tensor([[1, 2, 3]])).shape      # this rank's half of the vocabulary
+    torch.Size([1, 3, 25])
 """
 
 from __future__ import annotations
@@ -92,10 +115,23 @@ class SmptkColwiseParallel(_LayerStyle):
     :class:`ColumnParallelLinear`. The module is converted in place (its hooks stay); its weights come
     from group rank ``src_data_rank`` of the mesh (``parallelize_module``'s argument; None: each rank's own).
 
-    Example::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
-        >>> parallelize_module(mlp, state.submesh("tp"), {"up": SmptkColwiseParallel(activation="gelu"),
-        ...                                              "down": SmptkRowwiseParallel()})
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.tensor.parallel import parallelize_module
+        >>> import smptk.parallel as sp
+        >>> from smptk.parallel import SmptkColwiseParallel, SmptkRowwiseParallel
+        >>> dist.init_process_group("gloo")
+        >>> state = sp.init({"tensor_parallel_degree": 2})
+        >>> mlp = nn.ModuleDict({"up": nn.Linear(8, 32), "down": nn.Linear(32, 8)})
+        >>> mlp = parallelize_module(mlp, state.submesh("tp"), {"up": SmptkColwiseParallel(activation="gelu"),
+        ...                                                    "down": SmptkRowwiseParallel()})
+        >>> type(mlp["up"]).__name__, mlp["up"].weight.to_local().shape     # this rank's 16 of 32 rows
+        ('ColumnParallelLinear', torch.Size([16, 8]))
+        >>> mlp["down"](mlp["up"](torch.ones(2, 8))).shape
+        torch.Size([2, 8])
     """
 
     _convert = ColumnParallelLinear.from_linear

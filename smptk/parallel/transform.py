@@ -54,9 +54,12 @@ global generator, the same on every tp rank). Under tensor parallelism ``output_
 rank's own heads; under sequence parallelism a call with ``logits_to_keep`` or ``output_hidden_states``
 raises (both would see this rank's block of the sequence only).
 
-Example (every rank, under torchrun; tiny random model, no download)::
+Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU; a tiny random model, no download)::
 
-    >>> import transformers, smptk.parallel as sp
+    >>> import torch.distributed as dist
+    >>> import transformers
+    >>> import smptk.parallel as sp
+    >>> dist.init_process_group("gloo")
     >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
     ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     >>> model = transformers.LlamaForCausalLM(cfg)
@@ -98,6 +101,21 @@ class TransformReport:
         expert_parallel: the MoE layers made expert-parallel.
         checkpointed: the decoder layers whose activations are checkpointed.
         data_parallel: :func:`~smptk.parallel.apply_data_parallel`'s report.
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import transformers
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+        ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> model, report = sp.transform(transformers.LlamaForCausalLM(cfg), {"tensor_parallel_degree": 2})
+        >>> report.architecture, report.sizes["tp"], report.moe_layers, report.expert_parallel
+        ('llama', 2, [], [])
+        >>> report.tensor_parallel[-1], len(report.checkpointed)
+        ('lm_head', 0)
     """
 
     architecture: str
@@ -589,13 +607,27 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     tables, buffers no checkpoint holds and ``materialize`` leaves uninitialized, are recomputed from the
     model's config.
 
-    Example (every rank)::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU). In real use rank 0 passes
+    ``safetensors.torch.load_file("model.safetensors")``, here a stock model's state dict::
 
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import transformers
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+        ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> _ = torch.manual_seed(0)
+        >>> stock = transformers.LlamaForCausalLM(cfg)
         >>> with torch.device("meta"):
-        ...     model = transformers.AutoModelForCausalLM.from_config(config)
-        >>> model, report = sp.transform(model, {"tensor_parallel_degree": 8})
-        >>> sp.materialize(model, allow_uninitialized=True)
-        >>> sp.load_hf_state_dict(model, load_file("model.safetensors") if rank == 0 else None)
+        ...     model = transformers.LlamaForCausalLM(cfg)
+        >>> model, report = sp.transform(model, {"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+        >>> sp.materialize(model, allow_uninitialized=True)     # the modules whose reset_parameters ran
+        16
+        >>> sp.load_hf_state_dict(model, stock.state_dict() if dist.get_rank() == 0 else None)
+        >>> ids = torch.arange(8)[None]
+        >>> torch.allclose(model(ids).logits, stock(ids).logits, atol=1e-5)
+        True
     """
     from smptk.parallel.dcp import load_full_state_dict
 
@@ -618,11 +650,23 @@ def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, tor
     Every tensor is gathered whole (:func:`smptk.parallel.get_full_state_dict`): with ``rank0_only``
     (default) on rank 0's CPU, the other ranks getting an empty dict; otherwise on every rank.
 
-    Example (every rank, after training)::
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU). After training, rank 0 would
+    call ``model.save_pretrained("out", state_dict=sd)`` on the default ``rank0_only`` dict::
 
-        >>> sd = sp.hf_state_dict(model)
-        >>> if dist.get_rank() == 0:
-        ...     model.save_pretrained("out", state_dict=sd)
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import transformers
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+        ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> _ = torch.manual_seed(0)
+        >>> stock = transformers.LlamaForCausalLM(cfg)
+        >>> model, report = sp.transform(stock, {"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+        >>> sd = sp.hf_state_dict(model, rank0_only=False)     # every rank: every tensor whole, on CPU
+        >>> again = transformers.LlamaForCausalLM(cfg)
+        >>> again.load_state_dict(sd)                          # the stock model's keys and shapes
+        <All keys matched successfully>
     """
     from smptk.parallel.dcp import get_full_state_dict
 
@@ -644,7 +688,27 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     own ``aux_loss`` (``aux_loss_coef`` times the per-layer Switch loss, plus the z-loss).
 
     Raises ``ValueError`` when the attention mask does not have one entry per token a MoE layer routed
-    (a 4-D mask, or a mask of another batch than the last forward's)."""
+    (a 4-D mask, or a mask of another batch than the last forward's).
+
+    Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
+
+        >>> import copy
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import transformers
+        >>> import smptk.parallel as sp
+        >>> dist.init_process_group("gloo")
+        >>> cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        ...     num_experts_per_tok=2, output_router_logits=True)
+        >>> _ = torch.manual_seed(0)
+        >>> stock = transformers.MixtralForCausalLM(cfg)
+        >>> model, report = sp.transform(copy.deepcopy(stock), {"mixed_precision": "fp32"})
+        >>> ids = torch.arange(8)[None]
+        >>> loss = model(ids, labels=ids).loss + sp.moe_aux_loss(model)
+        >>> torch.allclose(loss, stock(ids, labels=ids).loss, atol=1e-5)   # the stock model's loss
+        True
+    """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     losses = [m.aux_loss.float() for m in layers if m.aux_loss is not None]
     pooled = [m for m in layers if getattr(m, "hf_aux_loss_coef", 0.0) and m.last_router_probs is not None]
