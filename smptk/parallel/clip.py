@@ -93,7 +93,7 @@ def clip_grad_norm_(
         if norm_type == math.inf:  # torch's inf norm fails on an empty shard (a small tensor on many ranks)
             norms.append(_inf_norm(mesh, group).to(dtype))
             continue
-        norm = torch.nn.utils.get_total_norm([g.to(dtype) for g in group], norm_type, False, foreach)
+        norm = torch.nn.utils.get_total_norm(group, norm_type, False, foreach)  # no copies of the gradients
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(dtype))
     device = norms[0].device
     norms = [n.to(device) for n in norms]
