@@ -42,11 +42,18 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
+class QuietBlock(Block):
+    """A Block that counts nothing (a compiled block's counter is a guard: each call would recompile)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
 class Model(nn.Module):
-    def __init__(self, blocks: int = 2) -> None:
+    def __init__(self, blocks: int = 2, block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.inp = nn.Linear(4, 6)
-        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
+        self.blocks = nn.ModuleList([block() for _ in range(blocks)])
         self.head = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +74,9 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model(blocks: int = 2) -> Model:
+def _model(blocks: int = 2, block: type[nn.Module] = Block) -> Model:
     torch.manual_seed(0)
-    return Model(blocks)
+    return Model(blocks, block)
 
 
 def _backward_ops(model: Model) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
@@ -425,6 +432,50 @@ def test_offloading_leaves_parameters_and_warns_about_keyword_inputs() -> None:
         off.log.clear()
         model.blocks[1](h * 1.0, scale).sum().backward()
     assert [e for e in off.log if e[0] == "store"] == [("store", 1)], off.log  # h, not the parameter
+
+
+def _steps_with_stats(model: Model, off: parallel.ActivationOffloader | None, compiled: bool) -> tuple:
+    """Three steps of ``model`` (its blocks compiled in place when ``compiled``, Dynamo's caches fresh):
+    each step's offload log and gradients, then Dynamo's graph count and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    if compiled:
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    gen, steps = torch.Generator().manual_seed(2), []
+    try:
+        for _ in range(3):
+            model.zero_grad()
+            if off is not None:
+                off.log.clear()
+            model(torch.randn(5, 4, generator=gen)).square().sum().backward()
+            steps.append((list(off.log) if off is not None else None, _grads(model)))
+        return steps, counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offloading_under_block_compile_adds_no_graphs(mode: str) -> None:
+    """Blocks compiled in place (``block.compile()``, as the README advises with checkpointing) keep their
+    offloading, with the graphs and graph breaks of the same blocks compiled without it: the offloader's
+    hooks run outside the compiled code (before, they broke each block's graph 7 times a step and
+    recompiled it on the offloader's entry counter, until the cache limit sent it back to eager). The
+    stores and loads, in order, and the gradients are the eager model's."""
+    runs = {}
+    for name, compiled, offload in (("eager", False, True), ("plain", True, False), ("offload", True, True)):
+        model = _model(3, QuietBlock)
+        off = parallel.ActivationOffloader(2, offload_cpu=True) if offload else None
+        apply_activation_checkpointing(model, mode=mode, offloader=off)
+        runs[name] = _steps_with_stats(model, off, compiled)
+    (eager, _, _), (_, graphs, breaks), (steps, graphs_off, breaks_off) = runs.values()
+    assert (graphs_off, breaks_off) == (graphs, breaks)
+    for (log, grads), (log_eager, grads_eager) in zip(steps, eager, strict=True):
+        assert log == log_eager and ("load", 0, "prefetch") in log, log
+        for name, g in grads.items():
+            torch.testing.assert_close(g, grads_eager[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_offloading_from_the_config_and_bad_arguments() -> None:

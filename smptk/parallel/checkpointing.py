@@ -359,7 +359,8 @@ class ActivationOffloader:
                 self._away[entry] = []
                 seen: list = []
                 hooks = torch.autograd.graph.saved_tensors_hooks(
-                    functools.partial(self._pack, index, entry, seen), self._unpack
+                    torch.compiler.disable(functools.partial(self._pack, index, entry, seen)),
+                    torch.compiler.disable(self._unpack),
                 )
                 nested = [v for a in args if not isinstance(a, torch.Tensor) for v in _tensors_in(a)]
                 elsewhere = bool(nested) or any(_tensors_in(v) for v in kwargs.values())
@@ -379,8 +380,11 @@ class ActivationOffloader:
                     # here would keep them on the device to backward
                     seen.clear()
 
-        unit.register_forward_pre_hook(enter, prepend=True, with_kwargs=True)
-        unit.register_forward_hook(leave, always_call=True)
+        # The hooks (and the pack / unpack hooks they install) run eagerly under a compiled unit
+        # (``unit.compile()``): traced, their bookkeeping broke the unit's graph several times and the entry
+        # counter, a guard, recompiled it every forward until Dynamo's cache limit sent it back to eager.
+        unit.register_forward_pre_hook(torch.compiler.disable(enter), prepend=True, with_kwargs=True)
+        unit.register_forward_hook(torch.compiler.disable(leave), always_call=True)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
