@@ -327,6 +327,42 @@ def test_route_dispatch_combine_pipeline(monkeypatch, path):
     assert_close(gl, rgl, dtype=torch.float32, reduction_len=H + E, roundings=4, name="dlogits")
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_combine_ignores_a_dropped_pairs_weight(monkeypatch, path, bad):
+    """A dropped pair adds nothing whatever its weight: token 2's only pair is dropped (C = 2, every token
+    to expert 0) and its weight inf or NaN, and its row is zeros on both paths (the Triton combine read the
+    weight and multiplied the missing row's zeros by it: NaN)."""
+    use_path(monkeypatch, path, "cpu")
+    x = torch.arange(12.0).view(3, 4)
+    xg, plan = moe_dispatch(x, torch.zeros(3, 1, dtype=torch.int64), 2, capacity_factor=1.0)
+    assert plan.dest.view(-1).tolist() == [0, 1, -1]
+    out = moe_combine(xg, plan, torch.tensor([[0.5], [2.0], [bad]]))
+    assert torch.equal(out, torch.stack([0.5 * x[0], 2.0 * x[1], torch.zeros(4)]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_capacity_factor_any_real_number(monkeypatch, path):
+    """numpy scalars are numbers (``np.float32(1.25)`` was refused as "not a finite number > 0"), and a
+    capacity factor far past T * k / E drops nothing (1e30 and 10**400 overflowed: "int too big to
+    convert"); the plan reports C as computed."""
+    import numpy as np
+
+    use_path(monkeypatch, path, "cpu")
+    x, ids, E = inputs(40, 5, torch.float32).detach(), random_ids(40, 6, 2, seed=3), 6
+    for cf, like in ((np.float32(1.25), 1.25), (np.int64(2), 2), (np.float64(0.5), 0.5)):
+        xg, plan = moe_dispatch(x, ids, E, capacity_factor=cf)
+        xr, ref = moe_dispatch(x, ids, E, capacity_factor=like)
+        assert torch.equal(xg, xr) and torch.equal(plan.dest, ref.dest) and plan.capacity == ref.capacity
+    dropless, _ = moe_dispatch(x, ids, E)
+    for cf in (1e30, 10**400):
+        xg, plan = moe_dispatch(x, ids, E, capacity_factor=cf)
+        assert torch.equal(xg, dropless) and plan.num_dropped == 0
+        assert plan.capacity == md.capacity_of(cf, 40, 2, E) > 2**63
+    with pytest.raises(TypeError, match="capacity_factor"):
+        moe_dispatch(x, ids, E, capacity_factor=np.array([1.0, 2.0]))
+
+
 def test_paths_agree(monkeypatch):
     T, H, E, k = 50, 7, 9, 3
     x = inputs(T, H, torch.bfloat16).detach()

@@ -304,6 +304,20 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
         MoE(H, F_, E, **kwargs)
 
 
+def test_numpy_and_huge_capacity_factors() -> None:
+    """numpy scalars are taken as the numbers they are (np.float32(1.25) was refused as "not a finite number
+    > 0"), and a capacity factor past every expert's share (1e30, 10**400) drops nothing."""
+    import numpy as np
+
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(4))
+    assert MoE(H, F_, E, capacity_factor=np.float32(1.25)).capacity_factor == 1.25
+    assert MoE(H, F_, E, aux_loss_coef=np.float64(0.01)).aux_loss_coef == 0.01
+    for cf in (1e30, 10**400):
+        moe = _layer(top_k=2, capacity_factor=cf)
+        dropless = _layer(top_k=2)
+        assert torch.equal(moe(x), dropless(x)) and moe.last_plan.num_dropped == 0
+
+
 def test_deepcopy_after_a_training_forward() -> None:
     """The copy (an EMA or reference model) has the layer's state and none of its latest forward's outputs,
     which are attached to the autograd graph (deep-copying them raised); it computes what the layer does."""

@@ -251,6 +251,23 @@ def test_noncontiguous_logits_and_grad(monkeypatch, path, layout):
     assert_close(g, ref_g, dtype=torch.float16, reduction_len=E, roundings=ROUNDINGS, name="dlogits")
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_renormalized_sigmoid_scores_that_underflow(monkeypatch, path):
+    """A token whose sigmoid scores all underflow to 0 (logits below about -104) gets zero weights and a
+    finite aux loss and gradient, not 0 / 0 = NaN: the sums that normalize the scores take ``RENORM_EPS``
+    (1e-20); the other tokens' weights are unchanged (still summing to 1 in fp32)."""
+    use_path(monkeypatch, path, "cpu")
+    logits = torch.tensor([[5.0, 0.0, -1.0], [-120.0, -130.0, -125.0], [1.0, 2.0, 3.0]], requires_grad=True)
+    r = moe_route(logits, 2, score_func="sigmoid", renormalize=True)
+    assert torch.equal(r.weights[1], torch.zeros(2))
+    ref = moe_route_reference(logits.detach(), 2, score_func="sigmoid", renormalize=True)
+    torch.testing.assert_close(r.weights[[0, 2]], ref.weights[[0, 2]].float(), rtol=1e-6, atol=0)
+    assert torch.isfinite(r.aux_loss)
+    loss = (r.weights * torch.tensor([1.0, -2.0])).sum() + 0.5 * r.aux_loss
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(grad).all() and torch.equal(grad[1], torch.zeros(3))
+
+
 def test_paths_agree(monkeypatch):
     """SMPTK_KERNELS=torch and the Triton path: same ids and counts, weights and losses within rounding."""
     logits = route_logits(40, 7, dtype=torch.bfloat16, seed=5)

@@ -217,8 +217,8 @@ def _gather_sum_kernel(
             mask=(d >= 0)[:, None] & c_ok[None, :],
             other=0.0,
         ).to(tl.float32)
-        if HAS_WEIGHTS:
-            w = tl.load(w_ptrs, mask=r_ok, other=0.0)
+        if HAS_WEIGHTS:  # a dropped pair's weight is not read: it adds nothing, whatever its value (inf, NaN)
+            w = tl.load(w_ptrs, mask=r_ok & (d >= 0), other=0.0)
             v = v * w.to(tl.float32)[:, None]
         acc += v
         w_ptrs += stride_wk  # 64-bit pointer step: no j * stride product

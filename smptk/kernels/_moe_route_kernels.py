@@ -44,7 +44,7 @@ def _scores(s, SCORE_FUNC: tl.constexpr):
         q = p
     else:
         score = 1.0 / (1.0 + tl.exp(-s))  # -inf (padding) -> 0
-        q = score / tl.sum(score, axis=1)[:, None]
+        q = score / (tl.sum(score, axis=1) + 1e-20)[:, None]  # + moe_route.RENORM_EPS
     return score, q, p, lse
 
 
@@ -111,7 +111,8 @@ def _route_fwd_kernel(
             w_tile = tl.where(kk[None, :] == j, w[:, None], w_tile)
             id_tile = tl.where(kk[None, :] == j, idx[:, None], id_tile)
         if RENORMALIZE:
-            wsum = tl.where(row_ok, tl.sum(w_tile, axis=1), 1.0)  # padded tokens: no 0 / 0
+            # + moe_route.RENORM_EPS; padded tokens divide by 1 (no 0 / 0)
+            wsum = tl.where(row_ok, tl.sum(w_tile, axis=1) + 1e-20, 1.0)
             w_tile = w_tile / wsum[:, None]
         out_offs = rows[:, None] * top_k + kk[None, :]
         out_mask = row_ok[:, None] & (kk < top_k)[None, :]
@@ -214,7 +215,7 @@ def _route_bwd_kernel(
         G = tl.where(pick, gj.to(tl.float32)[:, None], G)
         picked = picked | pick
     if RENORMALIZE:
-        Z = tl.where(row_ok, tl.sum(tl.where(picked, score, 0.0), axis=1), 1.0)  # padded tokens: no 0 / 0
+        Z = tl.where(row_ok, tl.sum(tl.where(picked, score, 0.0), axis=1) + 1e-20, 1.0)  # as the forward
         gw = tl.sum(G * score, axis=1) / Z  # sum_j g_j w_j
         gsc = tl.where(picked, (G - gw[:, None]) / Z[:, None], 0.0)
     else:
@@ -227,7 +228,7 @@ def _route_bwd_kernel(
         gq = gsc + a[None, :]
         ds = p * (gq - tl.sum(p * gq, axis=1)[:, None])
     else:
-        ssum = tl.sum(score, axis=1)
+        ssum = tl.sum(score, axis=1) + 1e-20  # as the forward's q
         gsc += (a[None, :] - tl.sum(a[None, :] * q, axis=1)[:, None]) / ssum[:, None]
         ds = gsc * score / (1.0 + tl.exp(s))  # sigmoid' = sigmoid(s) * sigmoid(-s): no 1 - score cancellation
     ds += (2.0 * tl.load(dz_ptr) / t_f) * lse[:, None] * p

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from fractions import Fraction
 
 import torch
@@ -204,6 +205,24 @@ def capacity_of(capacity_factor: float | None, num_tokens: int, top_k: int, num_
     return -(-exact.numerator * num_tokens * top_k // (exact.denominator * num_experts))
 
 
+def check_capacity_factor(capacity_factor: object) -> int | float | None:
+    """``capacity_factor`` as a Python int or float (numpy scalars included), after checking that it is None
+    or a finite number > 0; raises TypeError / ValueError naming it otherwise.
+
+    >>> check_capacity_factor(None), check_capacity_factor(1.25), check_capacity_factor(2)
+    (None, 1.25, 2)
+    """
+    if capacity_factor is None:
+        return None
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
+        raise TypeError(f"capacity_factor: expected None or a number, got {type(capacity_factor).__name__}")
+    # an int is exact and finite however large (math.isfinite overflows past a double's range)
+    value = int(capacity_factor) if isinstance(capacity_factor, numbers.Integral) else float(capacity_factor)
+    if value <= 0 or not (isinstance(value, int) or math.isfinite(value)):
+        raise ValueError(f"capacity_factor: expected None or a finite number > 0, got {capacity_factor!r}")
+    return value
+
+
 def _check_ids_result(bad: int, num_experts: int) -> None:
     if bad:
         raise ValueError(
@@ -226,7 +245,7 @@ def dispatch_plan(expert_ids: torch.Tensor, num_experts: int, capacity: int | No
     blocks = _plan_blocks()
     BLOCK_E, BLOCK_P = _chunk_blocks(E, blocks)
     num_progs = cdiv(P, blocks["PAIRS_PER_PROG"])
-    cap = P if capacity is None else capacity
+    cap = P if capacity is None else torch.sym_min(capacity, P)  # C >= T * k drops nothing
     hist = new_index_buffer((num_progs, E), torch.int32, device)
     bad = new_index_buffer((num_progs,), torch.int32, device)
     base = new_index_buffer((num_progs, E), torch.int64, device)
@@ -438,7 +457,10 @@ def _dispatch_torch(
     first = torch.cumsum(counts, 0) - counts
     pos = torch.empty_like(ids)
     pos[order] = torch.arange(P, device=ids.device) - first[ids[order]]
-    keep = pos < capacity if capacity is not None else torch.ones_like(ids, dtype=torch.bool)
+    if capacity is None:
+        keep = torch.ones_like(ids, dtype=torch.bool)
+    else:  # C >= T * k drops nothing; the clamp keeps the C of a huge capacity factor an int64
+        keep = pos < torch.sym_min(capacity, P)
     kept = torch.bincount(ids[keep], minlength=num_experts)
     offsets = torch.cat([kept.new_zeros(1), torch.cumsum(kept, 0)])
     dest = torch.where(keep, offsets[ids] + pos, -1).view(T, k)
@@ -550,13 +572,7 @@ def moe_dispatch(
     if expert_ids.device != x.device:
         raise ValueError(f"expert_ids: on {expert_ids.device} but x is on {x.device}")
     _check_int_count("num_experts", num_experts, 1)
-    if capacity_factor is not None:
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-            raise TypeError(
-                f"capacity_factor: expected None or a number, got {type(capacity_factor).__name__}"
-            )
-        if not math.isfinite(capacity_factor) or capacity_factor <= 0:
-            raise ValueError(f"capacity_factor: expected a finite number > 0, got {capacity_factor}")
+    capacity_factor = check_capacity_factor(capacity_factor)
     T, k = expert_ids.shape
     capacity = capacity_of(capacity_factor, T, k, num_experts)
     if x.device.type == "meta":

@@ -11,16 +11,18 @@ What it computes, per token:
 - ``expert_ids[t]``: the k experts with the largest ``sel``, in descending ``sel`` order; on equal ``sel``
   the lower expert id comes first (and is the one picked). NaN keys are never preferred over numbers (the
   picked set is then unspecified; the weights come out NaN anyway).
-- ``weights[t, j] = score[expert_ids[t, j]]``, divided by their sum over the k slots if ``renormalize``.
+- ``weights[t, j] = score[expert_ids[t, j]]``, divided by their sum over the k slots (plus ``RENORM_EPS`` =
+  1e-20, as Hugging Face's DeepSeek-V3 router: a token whose k sigmoid scores underflow to 0, at logits
+  below about -104, gets zero weights, not 0 / 0) if ``renormalize``.
   ``expert_bias`` ([E]) moves the *selection* only (aux-loss-free load balancing, DeepSeek-V3): the weights
   use the unbiased score, and no gradient reaches the bias.
 - ``tokens_per_expert[e]``: the pairs assigned to e (sum = T * k).
 - ``aux_loss = E * sum_e f_e * P_e``, the switch-style load-balancing loss (Switch Transformer, Fedus et al.
   2021): ``f_e = tokens_per_expert[e] / (T * k)`` (a count, no gradient; with a bias it counts the biased
   selection, i.e. the real assignments) and ``P_e = mean_t q[t, e]`` with ``q`` the router probabilities:
-  ``q = softmax(s)`` for softmax scores; for sigmoid scores ``q = sigmoid(s) / sum_e sigmoid(s)``, the scores
-  normalized per token (as in DeepSeek-V3's sequence-wise balance loss), so that ``sum_e q = 1`` in both
-  cases and a perfectly balanced router gives ``aux_loss = 1``.
+  ``q = softmax(s)`` for softmax scores; for sigmoid scores ``q = sigmoid(s) / (sum_e sigmoid(s) +
+  RENORM_EPS)``, the scores normalized per token (as in DeepSeek-V3's sequence-wise balance loss), so that
+  ``sum_e q = 1`` in both cases and a perfectly balanced router gives ``aux_loss = 1``.
 - ``z_loss = mean_t logsumexp(s)^2``, the router z-loss (ST-MoE, Zoph et al. 2022), whatever the score.
 - T = 0 gives empty weights and ids, zero counts and both losses 0 (not the NaN of an empty mean).
 
@@ -84,6 +86,10 @@ from smptk.kernels._triton import cdiv, kernel_module, next_power_of_2
 _kernels = kernel_module("smptk.kernels._moe_route_kernels")
 
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1}
+# Added to the sums that normalize sigmoid scores (the k weights' with renormalize, and all E scores' for
+# the aux loss's q) so that scores that all underflow to 0 give 0, not 0 / 0; below every sum of fp32 scores
+# that is not ~0. The kernels in _moe_route_kernels.py write the same literal (imported only with triton).
+RENORM_EPS = 1e-20
 
 # ROWS_PER_PROG tokens per program bound the partial rows to T/256 x E (256 KB at T = 64K, E = 256) and
 # leave 256 programs (~2 waves of 132 SMs) at that T. Sub-blocks of BLOCK_T tokens keep a
@@ -262,7 +268,7 @@ def _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias) -> MoE
         q = score
     else:
         score = torch.sigmoid(s)
-        q = score / score.sum(dim=-1, keepdim=True)
+        q = score / (score.sum(dim=-1, keepdim=True) + RENORM_EPS)
     sel = score.detach() if expert_bias is None else score.detach() + expert_bias.float()
     # As the kernel picks: the largest number first, ties to the lower id (a stable descending sort keeps
     # equal keys in index order), a NaN key only after every number (torch's sort puts NaN first), then NaN
@@ -273,7 +279,7 @@ def _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias) -> MoE
     ids = by_key.gather(1, by_nan)[:, :top_k]
     weights = score.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
     flat = ids.reshape(-1)
     # scatter_add, not bincount: bincount sizes its output from the ids' maximum (a host sync on CUDA, and
     # no meta kernel), while the counts' size E is known.
@@ -303,7 +309,7 @@ def moe_route(
         logits: ``[T, E]`` router logits, float32, float16 or bfloat16, any strides. Scores are fp32.
         top_k: k, ``1 <= k <= E``.
         score_func: "softmax" or "sigmoid".
-        renormalize: divide each token's k weights by their sum.
+        renormalize: divide each token's k weights by their sum (plus ``RENORM_EPS`` = 1e-20).
         expert_bias: None or ``[E]`` float (read as fp32) on logits' device, added to the scores for the
             selection only (the weights and losses use the unbiased scores; it gets no gradient).
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import warnings
 
 import torch
@@ -80,7 +81,7 @@ from torch.distributed.tensor import DTensor
 from smptk.comm.functional import GroupLike, resolve_group
 from smptk.kernels import fused_linear, swiglu
 from smptk.kernels.grouped_linear import grouped_linear, grouped_swiglu
-from smptk.kernels.moe_dispatch import MoEDispatchPlan, moe_combine, moe_dispatch
+from smptk.kernels.moe_dispatch import MoEDispatchPlan, check_capacity_factor, moe_combine, moe_dispatch
 from smptk.kernels.moe_route import moe_route
 from smptk.parallel.shard_init import fill_shard, local
 
@@ -88,7 +89,10 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number (numpy's included) that is finite: any int, or a float that is not inf / NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
 
 
 class GroupedExperts(nn.Module):
@@ -242,7 +246,12 @@ class MoE(nn.Module):
         aux_loss_coef, z_loss_coef: weights of the load-balancing loss and the router z-loss in
             :attr:`aux_loss`.
         capacity_factor: None for dropless routing, else each expert keeps at most
-            ``ceil(capacity_factor * T * k / E)`` of this rank's (token, slot) pairs, earliest first.
+            ``ceil(capacity_factor * T * k / E)`` of this rank's (token, slot) pairs, earliest first in
+            the flattened token order (``x.reshape(-1, H)``: with ``[B, S, H]`` input, batch row 0's
+            tokens before row 1's, so a later sequence loses every contested slot; Megatron's
+            ``[S, B, H]`` drops by position instead). Any finite number > 0, numpy's included (a huge
+            one drops nothing). The aux loss and the counts of :meth:`update_expert_bias` are
+            over the routed pairs, before dropping.
         expert_bias: keep a per-expert selection bias (aux-loss-free balancing); see
             :meth:`update_expert_bias`.
         ep_mesh: 1-D DeviceMesh to split the experts over (None: every expert on this device): applies
@@ -316,10 +325,6 @@ class MoE(nn.Module):
         for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
             if not (_finite(value) and value >= 0):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-        if capacity_factor is not None and not (_finite(capacity_factor) and capacity_factor > 0):
-            raise ValueError(
-                f"capacity_factor: expected None or a finite number > 0, got {capacity_factor!r}"
-            )
         if ep_group is not None:
             if ep_mesh is not None:
                 raise ValueError("ep_group, ep_mesh: give at most one (ep_group becomes a 1-D mesh)")
@@ -328,7 +333,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.renormalize = score_func, renormalize
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
-        self.capacity_factor = capacity_factor
+        self.capacity_factor = check_capacity_factor(capacity_factor)
         factory = {"device": device, "dtype": dtype}
         H = hidden_size
         self.router_weight = nn.Parameter(torch.empty(num_experts, H, **factory))
