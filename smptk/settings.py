@@ -90,8 +90,11 @@ def flag(name: str, default: bool) -> bool:
     )
 
 
-def integer(name: str, default: int | None, *, low: int | None = None) -> int | None:
-    """An integer variable (at least ``low`` when given); unset or empty gives ``default``."""
+def integer(
+    name: str, default: int | None, *, low: int | None = None, high: int | None = None, multiple: int = 1
+) -> int | None:
+    """An integer variable (in ``[low, high]`` where given, a multiple of ``multiple``); unset or empty
+    gives ``default``."""
     value = _raw(name)
     if value is None:
         return default
@@ -99,13 +102,19 @@ def integer(name: str, default: int | None, *, low: int | None = None) -> int | 
         out = int(value)
     except ValueError:
         raise ValueError(f"{name}={os.environ[name]!r}: expected an integer") from None
-    if low is not None and out < low:
-        raise ValueError(f"{name}={os.environ[name]!r}: expected an integer >= {low}")
+    if (low is not None and out < low) or (high is not None and out > high) or out % multiple:
+        wanted = [f">= {low}"] if low is not None else []
+        wanted += [f"<= {high}"] if high is not None else []
+        wanted += [f"a multiple of {multiple}"] if multiple != 1 else []
+        raise ValueError(f"{name}={os.environ[name]!r}: expected an integer {', '.join(wanted)}")
     return out
 
 
-def number(name: str, default: float | None, *, positive: bool = False) -> float | None:
-    """A real-number variable (finite and > 0 with ``positive``); unset or empty gives ``default``."""
+def number(
+    name: str, default: float | None, *, positive: bool = False, high: float | None = None
+) -> float | None:
+    """A real-number variable (finite and > 0 with ``positive``, at most ``high`` where given); unset or
+    empty gives ``default``."""
     value = _raw(name)
     if value is None:
         return default
@@ -115,6 +124,8 @@ def number(name: str, default: float | None, *, positive: bool = False) -> float
         raise ValueError(f"{name}={os.environ[name]!r}: expected a number") from None
     if positive and not 0 < out < float("inf"):
         raise ValueError(f"{name}={os.environ[name]!r}: expected a finite number > 0")
+    if high is not None and not out <= high:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected a number <= {high:g}")
     return out
 
 
@@ -157,6 +168,8 @@ class Variable:
     meaning: str
     choices: tuple[str, ...] = ()
     low: int | None = None
+    high: float | None = None  # integers and numbers: the largest value accepted
+    multiple: int = 1  # integers: a multiple of this
     positive: bool = False
 
     def read(self) -> object:
@@ -164,9 +177,9 @@ class Variable:
         if self.kind == "flag":
             return flag(self.name, self.default)
         if self.kind == "integer":
-            return integer(self.name, self.default, low=self.low)
+            return integer(self.name, self.default, low=self.low, high=self.high, multiple=self.multiple)
         if self.kind == "number":
-            return number(self.name, self.default, positive=self.positive)
+            return number(self.name, self.default, positive=self.positive, high=self.high)
         if self.kind == "choice":
             return choice(self.name, self.default, self.choices)
         if self.kind in ("text", "path"):
@@ -185,7 +198,8 @@ _TABLE = (
              "Triton reads it when smptk.kernels is imported, so set it before that"),
     Variable("SMPTK_INTERPRETER_FAST_CALLS", "flag", True, "under TRITON_INTERPRET, skip Triton's "
              "re-patching of triton.language at every @jit helper call inside a running kernel (see "
-             "smptk.kernels._triton); off: Triton's interpreter exactly as shipped"),
+             "smptk.kernels._triton); off: Triton's interpreter exactly as shipped. Read once, when smptk "
+             "first imports triton (a later change is not seen)"),
     Variable("SMPTK_GEMM_PATH", "choice", "auto", "GEMM engine's main loop: auto (TMA where the GPU and "
              "shapes allow), tma or pointer (plain pointer loads)", choices=GEMM_PATHS),
     Variable("SMPTK_AUTOTUNE", "flag", True, "GEMM launches autotune their block sizes on CUDA "
@@ -194,13 +208,16 @@ _TABLE = (
              "first, so an element a kernel never writes shows up (tests)"),
     Variable("SMPTK_CHECK_OFFSETS", "flag", False, "grouped GEMMs check the expert offsets' values on "
              "CUDA too (one host sync per call; on CPU they are always checked)"),
-    # comm (read once per process, on first use; smptk.comm.configure overrides them)
-    Variable("SMPTK_COMM_MAX_SMS", "integer", 8, "programs (SMs) per collective launch (1..256)", low=1),
+    # comm (read once per process, on first use; smptk.comm.configure overrides them, and a variable it
+    # replaces before that first use is not read). The ranges are smptk.comm's (high=256:
+    # smptk.kernels.heap_layout.MAX_PROGRAMS; 1e6 s: the kernels' int64-nanosecond budget).
+    Variable("SMPTK_COMM_MAX_SMS", "integer", 8, "programs (SMs) per collective launch (1..256); read once, "
+             "on first use", low=1, high=256),
     Variable("SMPTK_COMM_TIMEOUT_S", "number", 300.0, "seconds one collective kernel launch (a chunk of at "
-             "most SMPTK_COMM_HEAP_BYTES) may take, from its start, before it stops waiting on a peer",
-             positive=True),
+             "most SMPTK_COMM_HEAP_BYTES) may take, from its start, before it stops waiting on a peer "
+             "(at most 1e6); read once, on first use", positive=True, high=1e6),
     Variable("SMPTK_COMM_HEAP_BYTES", "integer", 64 * 1024 * 1024, "symmetric heap bytes per rank (a "
-             "multiple of 16, >= 4096)", low=4096),
+             "multiple of 16, >= 4096); read once, on first use", low=4096, multiple=16),
     Variable("SMPTK_COMM_SYNC_CHECK", "flag", False, "on CUDA, check each collective's status at the end "
              "of every call (one host sync)"),
     Variable("SMPTK_COMM_COPY_PATH", "choice", "pointer", "collectives' loads: pointer (128-bit loads, one "
@@ -290,17 +307,17 @@ def check_offsets() -> bool:
 
 
 def comm_max_sms() -> int:
-    """``SMPTK_COMM_MAX_SMS`` (default 8); the range is checked by ``smptk.comm``."""
+    """``SMPTK_COMM_MAX_SMS`` (default 8), in 1..256."""
     return _read("SMPTK_COMM_MAX_SMS")
 
 
 def comm_timeout_s() -> float:
-    """``SMPTK_COMM_TIMEOUT_S`` (default 300); the range is checked by ``smptk.comm``."""
+    """``SMPTK_COMM_TIMEOUT_S`` (default 300), in (0, 1e6]."""
     return _read("SMPTK_COMM_TIMEOUT_S")
 
 
 def comm_heap_bytes() -> int:
-    """``SMPTK_COMM_HEAP_BYTES`` (default 64 MiB); alignment and minimum are checked by ``smptk.comm``."""
+    """``SMPTK_COMM_HEAP_BYTES`` (default 64 MiB), a multiple of 16 of at least 4096."""
     return _read("SMPTK_COMM_HEAP_BYTES")
 
 

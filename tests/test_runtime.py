@@ -164,12 +164,22 @@ def test_switch_is_read_at_every_call(monkeypatch, interpreter):
 @pytest.mark.parametrize(
     ("requested", "interpret", "expected"),
     [
-        ("auto", True, {"cpu": "triton (interpreter; bfloat16: torch)", "cuda": "triton (interpreter)"}),
+        (
+            "auto",
+            True,
+            {"cpu": "triton (interpreter; bfloat16 GEMMs: torch)", "cuda": "triton (interpreter)"},
+        ),
+        # forced: a bf16 GEMM under the interpreter raises (it does not fall back)
+        (
+            "triton",
+            True,
+            {"cpu": "triton (interpreter; bfloat16 GEMMs: an error)", "cuda": "triton (interpreter)"},
+        ),
         ("auto", False, {"cpu": "torch", "cuda": "triton"}),
         ("torch", True, {"cpu": "torch", "cuda": "torch"}),
         ("triton", False, {"cpu": "error: triton cannot run here", "cuda": "triton"}),
     ],
-    ids=["auto-interp", "auto-no-interp", "torch", "triton-no-interp"],
+    ids=["auto-interp", "triton-interp", "auto-no-interp", "torch", "triton-no-interp"],
 )
 def test_describe(monkeypatch, interpreter, requested, interpret, expected):
     monkeypatch.setenv("SMPTK_KERNELS", requested)

@@ -92,6 +92,36 @@ def test_integer_lower_bound(env):
     assert settings.integer(VAR, None, low=1) is None
 
 
+def test_integer_upper_bound_and_multiple(env):
+    env("300")
+    with pytest.raises(ValueError, match=f"^{VAR}='300': expected an integer >= 1, <= 256$"):
+        settings.integer(VAR, None, low=1, high=256)
+    env("4100")
+    with pytest.raises(ValueError, match=f"^{VAR}='4100': expected an integer a multiple of 16$"):
+        settings.integer(VAR, None, multiple=16)
+    env("4096")
+    assert settings.integer(VAR, None, low=4096, multiple=16) == 4096
+    assert settings.integer(VAR, None, high=4096) == 4096
+
+
+def test_number_upper_bound(env):
+    env("2e6")
+    with pytest.raises(ValueError, match=f"^{VAR}='2e6': expected a number <= 1e\\+06$"):
+        settings.number(VAR, None, positive=True, high=1e6)
+    env("1e6")
+    assert settings.number(VAR, None, high=1e6) == 1e6
+
+
+def test_comm_ranges_are_smptk_comms():
+    """The table's ranges for SMPTK_COMM_* are those smptk.comm checks configure's values against."""
+    from smptk.kernels.heap_layout import MAX_PROGRAMS
+
+    assert settings.VARIABLES["SMPTK_COMM_MAX_SMS"].high == MAX_PROGRAMS
+    import smptk.comm.collectives as collectives
+
+    assert settings.VARIABLES["SMPTK_COMM_TIMEOUT_S"].high == collectives._MAX_TIMEOUT_S
+
+
 @pytest.mark.parametrize(("value", "expected"), [("2.5", 2.5), (" 3 ", 3.0), ("1e-3", 1e-3), ("", 9.0)])
 def test_number(env, value, expected):
     env(value)

@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import functools
 import math
+import numbers
 import threading
 import weakref
 from collections.abc import Sequence
@@ -174,21 +175,36 @@ _last_path: str | None = None
 _last_compiled: dict[str, object] = {}  # kernel name -> what Triton compiled for its last launch (GPU only)
 
 
+# Each setting's SMPTK_COMM_* accessor (smptk.settings parses the variable and its range).
+_FROM_ENV = {
+    "max_sms": env_settings.comm_max_sms,
+    "timeout_s": env_settings.comm_timeout_s,
+    "heap_bytes": env_settings.comm_heap_bytes,
+    "copy_path": env_settings.comm_copy_path,
+}
+
+
+def _from_env(given: dict[str, object]) -> _Settings:
+    """The settings of the SMPTK_COMM_* variables, but where ``given`` has a value (not None): a variable
+    that is replaced is not read, so :func:`configure` can override a bad one."""
+    values = {}
+    for field, read in _FROM_ENV.items():
+        values[field] = given[field] if given.get(field) is not None else read()
+    new = _Settings(**values)
+    try:
+        _validate(new)
+    except ValueError as e:
+        field = str(e).split(":")[0]
+        if given.get(field) is None:  # the variable's value (smptk.settings checks most of it already)
+            raise ValueError(f"SMPTK_COMM_{field.upper()}: {e}") from None
+        raise
+    return new
+
+
 def _current() -> _Settings:
     global _settings
     if _settings is None:
-        _settings = _Settings(
-            max_sms=env_settings.comm_max_sms(),
-            timeout_s=env_settings.comm_timeout_s(),
-            heap_bytes=env_settings.comm_heap_bytes(),
-            copy_path=env_settings.comm_copy_path(),
-        )
-        try:
-            _validate(_settings)
-        except ValueError as e:
-            _settings = None
-            field = str(e).split(":")[0]
-            raise ValueError(f"SMPTK_COMM_{field.upper()}: {e}") from None
+        _settings = _from_env({})
     return _settings
 
 
@@ -215,6 +231,10 @@ def configure(
 ) -> None:
     """Set the defaults of every later call on this rank (call it identically on every rank).
 
+    Each value given replaces its ``SMPTK_COMM_*`` variable (read once, on first use); before that first
+    use a replaced variable is not read at all, so a bad value in it does not matter. Values are read as
+    the variables are: integral floats and numpy scalars for the counts, ``copy_path`` in any case.
+
     Changing ``heap_bytes`` drops this rank's heaps; the next collective on a group builds a new one
     (a collective step, so every rank must change it at the same point). ``copy_path`` (one of
     :data:`COPY_PATHS`): how the kernels' copies load, "pointer" (default) or "tma" (TMA descriptors,
@@ -230,18 +250,24 @@ def configure(
         (4, 30.0)
         >>> comm.configure(max_sms=before["max_sms"], timeout_s=before["timeout_s"])
     """
-    cur = _current()
-    new = _Settings(
-        max_sms=cur.max_sms if max_sms is None else _as_int("max_sms", max_sms),
-        timeout_s=cur.timeout_s if timeout_s is None else _as_number("timeout_s", timeout_s),
-        heap_bytes=cur.heap_bytes if heap_bytes is None else _as_int("heap_bytes", heap_bytes),
-        copy_path=cur.copy_path if copy_path is None else copy_path,
-    )
+    global _settings
+    if copy_path is not None and not isinstance(copy_path, str):
+        raise ValueError(f"copy_path: expected one of {COPY_PATHS}, got {copy_path!r}")
+    given = {
+        "max_sms": None if max_sms is None else _as_int("max_sms", max_sms),
+        "timeout_s": None if timeout_s is None else _as_number("timeout_s", timeout_s),
+        "heap_bytes": None if heap_bytes is None else _as_int("heap_bytes", heap_bytes),
+        "copy_path": None if copy_path is None else copy_path.strip().lower(),  # as the variable reads
+    }
+    if _settings is None:  # first use: the variables a value here replaces are not read
+        _settings = _from_env(given)
+        return
+    new = _Settings(**{f: getattr(_settings, f) if v is None else v for f, v in given.items()})
     _validate(new)
-    if new.heap_bytes != cur.heap_bytes:
+    if new.heap_bytes != _settings.heap_bytes:
         reset()
-    cur.max_sms, cur.timeout_s, cur.heap_bytes = new.max_sms, new.timeout_s, new.heap_bytes
-    cur.copy_path = new.copy_path
+    _settings.max_sms, _settings.timeout_s, _settings.heap_bytes = new.max_sms, new.timeout_s, new.heap_bytes
+    _settings.copy_path = new.copy_path
 
 
 def settings() -> dict[str, float | str]:
@@ -458,13 +484,18 @@ def _check_pair(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tenso
 
 
 def _as_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    """``value`` as an int: an int, or a float with an integer value (numpy's scalars included)."""
+    integral = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and float(value).is_integer()
+    )
+    if isinstance(value, bool) or not integral:  # is_integer: False for inf and NaN
         raise ValueError(f"{name}: expected an integer, got {value!r}")
     return int(value)
 
 
 def _as_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a float: any real number (numpy's scalars included); ranges are the caller's."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}: expected a number, got {value!r}")
     return float(value)
 

@@ -216,9 +216,9 @@ def describe() -> dict[str, str]:
             if not interpreter_enabled():
                 out[dev] = "triton"
             else:
-                out[dev] = (
-                    "triton (interpreter)" if dev == "cuda" else "triton (interpreter; bfloat16: torch)"
-                )
+                # the interpreter's bf16 tl.dot is wrong: bf16 GEMMs take torch (an error when forced)
+                bf16 = "bfloat16 GEMMs: torch" if requested == "auto" else "bfloat16 GEMMs: an error"
+                out[dev] = "triton (interpreter)" if dev == "cuda" else f"triton (interpreter; {bf16})"
         else:
             out[dev] = "torch" if requested == "auto" else "error: triton cannot run here"
     return out
