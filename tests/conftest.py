@@ -12,6 +12,7 @@ test over CPU and CUDA that way. Shared non-fixture helpers live in ``tests/help
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -19,6 +20,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton fixes interpretation when it is imported: import it now, under the setting above, so that no test
+# decides it for the tests after it in the same process (smptk.kernels.runtime's docstring example imports
+# triton with TRITON_INTERPRET cleared; the interpreted collectives run after it then failed).
+with contextlib.suppress(ImportError):  # the no-triton tests run without it
+    import triton  # noqa: F401
 # An xdist worker's PYTEST_XDIST_* variables would reach the processes tests start (the benchmark runs of
 # the end-to-end tests), where pytest-benchmark reads PYTEST_XDIST_WORKER as "under xdist" and turns itself
 # off. Those processes are not xdist workers: drop the variables (xdist itself keeps its own state).

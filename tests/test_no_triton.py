@@ -5,10 +5,6 @@ machine where it is not installed) before importing smptk, then runs each public
 inputs and compares it with plain PyTorch. The child reports one result per check, so a failure names
 the op. The stand-ins themselves (``smptk.kernels._triton``) are also checked in this process against the
 real Triton where it is installed.
-
-The GEMM ops (fused_linear, swiglu, grouped_linear, grouped_swiglu) live in modules another change
-switches to ``smptk.kernels._triton``; until it lands, ``import smptk.kernels`` itself fails without Triton
-and every check here fails with that import error.
 """
 
 from __future__ import annotations

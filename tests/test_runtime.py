@@ -329,6 +329,18 @@ LATE_INTERPRETER = textwrap.dedent(
             else:
                 raise AssertionError(f"{name} ran under SMPTK_KERNELS={requested}")
     assert runtime.describe()["cpu"].startswith("error: TRITON_INTERPRET was set after"), runtime.describe()
+    import torch.distributed as dist
+    import smptk.comm as comm
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # the collectives say so too (they failed inside Triton's interpreter: "Cannot call @triton.jit'd")
+        comm.all_reduce(torch.ones(4))
+    except RuntimeError as e:
+        assert "set TRITON_INTERPRET=1 before triton is imported" in str(e), str(e)
+    else:
+        raise AssertionError("comm.all_reduce ran")
+    finally:
+        dist.destroy_process_group()
     os.environ["SMPTK_KERNELS"] = "torch"  # the way out the message names
     torch.testing.assert_close(fused_linear(x, w), x @ w.T)
     print("LATE OK")

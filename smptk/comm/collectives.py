@@ -404,6 +404,8 @@ def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | Non
         return None
     if not runtime.triton_available():
         return None
+    if backend == "cpu":  # the kernels' error where they cannot be interpreted, not one deep inside Triton
+        runtime._check_interpreter_unchanged()
     per_group = _heaps.get(group)
     if per_group is None:  # a group's first heap: a moment to drop those of destroyed groups
         _release_destroyed()
