@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -154,7 +155,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``smptk`` console script; returns the process exit status.
 
-    With no subcommand it prints the help to stderr and returns 2.
+    With no subcommand it prints the help to stderr and returns 2. Output into a pipe its reader closed
+    (``smptk plan | head -1``) stops quietly with status 1, as the Python docs' recipe for SIGPIPE
+    (Python ignores the signal, so the write raises BrokenPipeError): stdout is pointed at devnull so the
+    interpreter's final flush cannot fail again, and no traceback is printed.
 
     Example (it prints what ``smptk info --json`` prints, then returns the exit status)::
 
@@ -167,6 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _build_parser()
     args = parser.parse_args(argv)
+    try:
+        status = _run(parser, args)
+        sys.stdout.flush()  # a closed pipe raises here rather than in the interpreter's exit
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -108,6 +108,36 @@ def test_main_json_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(env) >= ENV_KEYS
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--model", "llama2-7b", "--instance", "p4d"],  # the advice
+        ["plan", "--model", "llama2-7b", "--instance", "p4d", "--config", "{}"],  # one configuration
+        ["info"],
+    ],
+    ids=["plan", "plan-config", "info"],
+)
+def test_output_into_a_closed_pipe_stops_quietly(args: list[str]) -> None:
+    """``smptk plan | head -1`` printed a BrokenPipeError traceback (and with --config reported the
+    closed pipe as bad input). The reader is gone before the first line here, so every write fails."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "smptk", *args],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (1, "")
+
+
 def test_collect_environment_never_raises_with_bad_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMPTK_KERNELS", "bogus")
     env = collect_environment()

@@ -94,6 +94,56 @@ def test_custom_cluster_and_errors() -> None:
         cluster(3)
 
 
+CUSTOM = {"gpu": "x", "memory_gb": 80, "bf16_tflops": 100, "gpus_per_node": 8, "intra_node_gbps": 100,
+          "inter_node_gbps": 100}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        # accepted before: a negative latency ("dp comm -29967 overlapped"), 7.9 GPUs read as 7
+        ({"inter_latency_us": -1e9}, "inter_latency_us must be a finite number >= 0, got -1000000000.0"),
+        ({"intra_latency_us": float("nan")}, "intra_latency_us must be a finite number >= 0, got nan"),
+        ({"gpus_per_node": 7.9}, "gpus_per_node must be an int >= 1, got 7.9"),
+        ({"nodes": 1.9}, "nodes must be an int >= 1, got 1.9"),
+        ({"gpus_per_node": True}, "gpus_per_node must be an int >= 1, got True"),
+        ({"sms": -1}, "sms must be an int >= 0, got -1"),
+        ({"bf16_tflops": 1e400}, "bf16_tflops must be a finite number > 0, got inf"),  # MFU nan%
+        ({"memory_gb": float("inf")}, "memory_gb must be a finite number > 0, got inf"),  # OverflowError
+        ({"memory_gb": float("nan")}, "memory_gb must be a finite number > 0, got nan"),  # int(nan)
+        ({"memory_gb": 10**400}, "memory_gb must be a finite number > 0, got 1000"),  # past a double
+        ({"memory_gb": 0}, "memory_gb must be a finite number > 0, got 0"),
+        ({"intra_node_gbps": "fast"}, "intra_node_gbps must be a finite number > 0, got 'fast'"),
+        ({"inter_node_gbps": -5}, "inter_node_gbps must be a finite number > 0, got -5"),
+        ({"hbm_gbps": float("inf")}, "hbm_gbps must be a finite number >= 0, got inf"),
+    ],
+)
+def test_custom_cluster_refuses_each_bad_value_by_key(change, match) -> None:
+    with pytest.raises(ValueError, match="^cluster 'custom x': " + re.escape(match)):
+        cluster({**CUSTOM, **change})
+
+
+def test_custom_cluster_units_and_zero_defaults() -> None:
+    """memory_gb is GiB; hbm_gbps / sms 0 mean unknown, a 0 latency is allowed; the H200 preset's
+    "141 GB" is 1e9-byte GB: 131.3 GiB."""
+    c = cluster({**CUSTOM, "memory_gb": 131.3, "hbm_gbps": 0, "sms": 0, "intra_latency_us": 0})
+    assert c.gpu.memory_bytes == int(131.3 * 2**30) and c.intra_latency_us == 0.0
+    assert abs(c.gpu.memory_bytes - cluster("p5en").gpu.memory_bytes) < 2**27
+    with pytest.raises(ValueError, match="cluster 'x': inter_latency_us must be a finite number >= 0"):
+        clusters_mod.Cluster("x", clusters_mod.H100, 8, 450.0, 3200.0, inter_latency_us=-1.0)
+    with pytest.raises(ValueError, match="GPU 'g': bf16_tflops must be a finite number > 0, got nan"):
+        clusters_mod.GPU("g", 2**30, float("nan"))
+
+
+def test_plan_custom_cluster_errors_are_one_line(capsys, tmp_path) -> None:
+    """JSON's 1e400 is inf: it ended in an OverflowError traceback."""
+    path = tmp_path / "inf.json"
+    path.write_text(json.dumps(CUSTOM).replace('"memory_gb": 80', '"memory_gb": 1e400'))
+    assert main(["plan", "--model", "llama2-7b", "--instance", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == "smptk plan: error: cluster 'custom x': memory_gb must be a finite number > 0, got inf\n"
+
+
 # -- estimate_memory: model states ---------------------------------------------------------------------
 
 
@@ -294,6 +344,24 @@ def test_moe_terms_and_dispatch_buffers() -> None:
     assert dispatch == 2 * 32 * 2 * 64 * 2
 
 
+def test_an_all_moe_model_ignores_its_unused_dense_width() -> None:
+    """A model whose blocks are all MoE has no dense MLP: its intermediate_size (Qwen3-MoE configs carry
+    one) was still required to divide tp (6001 refused tp 2) and sized the recomputed block."""
+    shape = dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8,
+                 num_experts=8, experts_per_token=2, moe_intermediate_size=32)  # fmt: skip
+    odd = ModelSpec("odd", intermediate_size=6001, **shape)
+    small = ModelSpec("small", intermediate_size=4, **shape)
+    assert odd.num_moe_layers == odd.num_layers
+    assert not [t for t in odd.tensors() if t.name.startswith("mlp.")]
+    assert estimate_mod.tp_problem(odd, 2) is None
+    for config in ({"tensor_parallel_degree": 2}, {"activation_checkpointing": "full"}):
+        a, b = (estimate_memory(m, config, seq_len=32, world_size=2) for m in (odd, small))
+        assert [(t.name, t.bytes) for t in a.terms] == [(t.name, t.bytes) for t in b.terms]
+    # with a dense block the width is used, and checked
+    dense_first = dataclasses.replace(odd, dense_layers=(0,))
+    assert "intermediate_size 6001 is not divisible" in estimate_mod.tp_problem(dense_first, 2)
+
+
 def test_heaps_count_the_groups_inside_a_node() -> None:
     p5 = cluster("p5", nodes=2)
     one_group = estimate_memory("llama2-7b", {"tensor_parallel_degree": 8}, seq_len=4096, cluster=p5)
@@ -313,6 +381,33 @@ def test_heaps_count_the_groups_inside_a_node() -> None:
     assert not [
         t for t in estimate_memory("llama2-7b", ddp, seq_len=1024, cluster=p5).terms if t.kind == "comm"
     ]
+
+
+def test_heap_bytes_default_is_what_smptk_comm_uses(capsys) -> None:
+    """The heap term took a fixed 64 MiB whatever SMPTK_COMM_HEAP_BYTES or comm.configure set, and
+    accepted sizes smptk.comm refuses (16 bytes); ``smptk plan`` had no way to give it."""
+    from smptk import comm
+
+    before = comm.settings()["heap_bytes"]
+    one_group = {"tensor_parallel_degree": 8}
+    heap_of = lambda est: [t.bytes for t in est.terms if t.kind == "comm"]
+    try:
+        comm.configure(heap_bytes=1 << 20)
+        est = estimate_memory("llama2-7b", one_group, seq_len=4096, cluster="p5")
+        assert heap_of(est) == [2**20 + estimate_mod.DATA_OFFSET]
+        adv = advise("llama2-7b", "p5", seq_len=4096)
+        heaps = {b for c in adv.candidates for b in heap_of(c.estimate)}  # one or two groups' heaps
+        assert heaps and all(b % (2**20 + estimate_mod.DATA_OFFSET) == 0 for b in heaps), heaps
+    finally:
+        comm.configure(heap_bytes=before)
+    est = estimate_memory("llama2-7b", one_group, seq_len=4096, cluster="p5", heap_bytes=4096)
+    assert heap_of(est) == [4096 + estimate_mod.DATA_OFFSET]
+    with pytest.raises(ValueError, match="heap_bytes: expected a multiple of 16 of at least 4096, got 16"):
+        advise("llama2-7b", "p5", seq_len=4096, heap_bytes=16)  # refused, not every candidate skipped
+    assert main(["plan", "--model", "llama2-7b", "--instance", "p5", "--config", json.dumps(one_group),
+                 "--heap-bytes", str(2**27), "--json"]) == 0  # fmt: skip
+    terms = json.loads(capsys.readouterr().out)["terms"]
+    assert [t["bytes"] for t in terms if t["kind"] == "comm"] == [2**27 + estimate_mod.DATA_OFFSET]
 
 
 def test_estimate_reports_a_table_json_and_fit() -> None:
@@ -348,8 +443,11 @@ def test_estimate_reports_a_table_json_and_fit() -> None:
         ({"cluster": "p5", "world_size": 4}, ValueError, "disagrees"),
         ({"config": {"tensor_parallel": 2}}, ValueError, "did you mean 'tensor_parallel_degree'"),
         ({"sequence_parallel": "no"}, TypeError, "sequence_parallel: expected True, False or None"),
-        ({"heap_bytes": -1}, ValueError, "heap_bytes: expected a positive multiple of 16"),
-        ({"heap_bytes": 100}, ValueError, "heap_bytes: expected a positive multiple of 16"),
+        ({"heap_bytes": -1}, ValueError, "heap_bytes: expected a multiple of 16 of at least 4096, got -1"),
+        ({"heap_bytes": 100}, ValueError, "heap_bytes: expected a multiple of 16 of at least 4096, got 100"),
+        ({"heap_bytes": 16}, ValueError, "heap_bytes: expected a multiple of 16 of at least 4096, got 16"),
+        ({"heap_bytes": 4104}, ValueError, "heap_bytes: expected a multiple of 16 of at least 4096, got 41"),
+        ({"heap_bytes": "64M"}, ValueError, "heap_bytes: expected an integer, got '64M'"),
         ({"loss": "chunked"}, ValueError, "loss: expected one of vocab_parallel, gathered"),
     ],
 )
@@ -543,7 +641,20 @@ def test_plan_custom_cluster_file(capsys, tmp_path) -> None:
     [
         (["--model", "llama9", "--instance", "p5"], "unknown model 'llama9'; presets: llama2-7b"),
         (["--model", "llama2-7b", "--instance", "p9"], "unknown instance 'p9'; presets: p4d.24xlarge"),
-        (["--model", "llama2-7b", "--instance", "p5", "--config", "{bad"], "--config: not valid JSON"),
+        (["--model", "llama2-7b", "--instance", "p5", "--config", "{bad"], "--config is not valid JSON"),
+        (
+            # json.loads keeps the last value; a config file with the same text was already refused
+            [
+                "--model",
+                "llama2-7b",
+                "--instance",
+                "p5",
+                "--config",
+                '{"tensor_parallel_degree": 2, "tensor_parallel_degree": 4}',
+            ],
+            "--config: key 'tensor_parallel_degree' is given more than once",
+        ),
+        (["--model", "llama2-7b", "--instance", "p5", "--heap-bytes", "100"], "heap_bytes: expected a"),
         (
             ["--model", "llama2-7b", "--instance", "p5", "--config", '{"tensor_parallel_degree": 3}'],
             "does not divide",
@@ -562,6 +673,9 @@ def test_plan_errors_name_the_problem(capsys, args, match) -> None:
         (["--top", "-1"], "--top: expected an int >= 1, got -1"),  # printed all candidates but the last
         (["--micro-batch", "4"], "--micro-batch / --grad-accum apply to --config only"),  # ignored
         (["--grad-accum", "-7"], "--micro-batch / --grad-accum apply to --config only"),
+        # the reverse: --config evaluates one configuration, these only shape the advice
+        (["--config", "{}", "--top", "7"], "--global-batch-tokens / --top apply to the advice only"),
+        (["--config", "{}", "--global-batch-tokens", "8192"], "--global-batch-tokens / --top apply to the"),
     ],
 )
 def test_plan_refuses_options_it_would_ignore_or_misread(capsys, extra, match) -> None:

@@ -225,6 +225,11 @@ _GPT2 = {
         ),
         pytest.param(_GPT2, id="gpt2"),
         pytest.param({**_GPT2, "n_inner": 100}, id="gpt2-n-inner"),
+        # heads x head_dim need not be the hidden size where the architecture takes an explicit head_dim,
+        # or floors hidden / heads without one (transformers builds these; Llama refuses them)
+        pytest.param({**SMALL, "model_type": "mistral", "hidden_size": 66, "head_dim": 24}, id="mistral-66"),
+        pytest.param({**SMALL, "model_type": "mistral", "hidden_size": 66}, id="mistral-66-floor"),
+        pytest.param({**SMALL, "model_type": "qwen3", "hidden_size": 66, "head_dim": 16}, id="qwen3-66"),
     ],
 )
 def test_small_config_matches_hf(cfg):
@@ -288,6 +293,10 @@ def test_tied_embeddings():
             {**_GPT2, "tie_word_embeddings": False},
             id="gpt2-untied",
         ),
+        pytest.param(  # Qwen3MoeConfig has no head_dim: hidden // heads (the planner took Qwen3's 128)
+            {k: v for k, v in _QWEN3_MOE.items() if k != "head_dim"},
+            id="qwen3-moe-no-head-dim",
+        ),
     ],
 )
 def test_missing_keys_take_hf_defaults(cfg):
@@ -327,6 +336,76 @@ def test_unsupported_model_type_lists_supported():
     with pytest.raises(ValueError, match="bert") as info:
         from_hf_config({"model_type": "bert", "hidden_size": 768})
     assert all(mt in str(info.value) for mt in SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        pytest.param(
+            {**_GPT2, "n_embd": 100, "n_head": 3}, "gpt2: n_embd 100 is not divisible by n_head 3", id="gpt2"
+        ),
+        pytest.param(
+            {**SMALL, "hidden_size": 66},
+            "llama: hidden_size 66 is not divisible by num_attention_heads 4",
+            id="llama",
+        ),
+        pytest.param(  # LlamaConfig checks the hidden size even when head_dim is given
+            {**SMALL, "hidden_size": 66, "head_dim": 16},
+            "llama: hidden_size 66 is not divisible by num_attention_heads 4",
+            id="llama-head-dim",
+        ),
+        pytest.param(  # 0 is not "absent": HF divides by it
+            {**SMALL, "num_key_value_heads": 0},
+            "llama: num_key_value_heads must be a positive int, got 0",
+            id="kv0",
+        ),
+        pytest.param(
+            {**SMALL, "model_type": "mistral", "num_key_value_heads": 0},
+            "mistral: num_key_value_heads must be a positive int, got 0",
+            id="mistral-kv0",
+        ),
+        pytest.param(
+            {**_MLA, "num_key_value_heads": 0},
+            "deepseek_v3: num_key_value_heads must be a positive int, got 0",
+            id="mla-kv0",
+        ),
+        pytest.param(
+            {**SMALL, "num_attention_heads": 0},
+            "llama: num_attention_heads must be a positive int, got 0",
+            id="heads0",
+        ),
+    ],
+)
+def test_configs_hf_refuses_are_refused(cfg, match):
+    """These were counted (gpt2 100 / 3: 270,794 parameters; kv heads 0 as one per head) though
+    transformers refuses to build them."""
+    with pytest.raises(Exception):  # noqa: B017 (transformers' own errors differ by model)
+        _hf_build(cfg)
+    with pytest.raises(ValueError, match=match):
+        from_hf_config(cfg)
+
+
+def test_kv_heads_absent_or_none_is_one_per_head():
+    for cfg in (
+        {k: v for k, v in SMALL.items() if k != "num_key_value_heads"},
+        {**SMALL, "num_key_value_heads": None},
+    ):
+        assert from_hf_config(cfg).num_kv_heads == SMALL["num_attention_heads"]
+
+
+def test_a_checkpoint_directory_is_found_without_a_path_separator(tmp_path, monkeypatch):
+    """``--model my_llama`` (a directory holding config.json) said "unknown model 'my_llama'" while
+    ``./my_llama`` worked; a directory without a config.json does not hide a preset of its name."""
+    (tmp_path / "my_llama").mkdir()
+    (tmp_path / "my_llama" / "config.json").write_text(json.dumps(SMALL))
+    (tmp_path / "llama2-7b").mkdir()  # e.g. an output directory
+    (tmp_path / "my.cfg").write_text(json.dumps(SMALL))
+    monkeypatch.chdir(tmp_path)
+    assert model_spec("my_llama") == from_hf_config(tmp_path / "my_llama")
+    assert model_spec("my.cfg") == from_hf_config(tmp_path / "my.cfg")
+    assert model_spec("llama2-7b").num_parameters() == 6738415616
+    with pytest.raises(ValueError, match="unknown model 'my_mistral'"):
+        model_spec("my_mistral")
 
 
 def test_kv_heads_must_divide_heads():

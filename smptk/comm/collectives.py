@@ -216,10 +216,19 @@ def _validate(s: _Settings) -> None:
         raise ValueError(f"max_sms: expected 1..{MAX_PROGRAMS}, got {s.max_sms}")
     if not 0 < s.timeout_s <= _MAX_TIMEOUT_S:  # also rejects nan and inf
         raise ValueError(f"timeout_s: expected seconds in (0, {_MAX_TIMEOUT_S:g}], got {s.timeout_s}")
-    if s.heap_bytes < 4096 or s.heap_bytes % 16:
-        raise ValueError(f"heap_bytes: expected a multiple of 16 of at least 4096, got {s.heap_bytes}")
+    check_heap_bytes(s.heap_bytes)
     if s.copy_path not in COPY_PATHS:
         raise ValueError(f"copy_path: expected one of {COPY_PATHS}, got {s.copy_path!r}")
+
+
+def check_heap_bytes(heap_bytes: object) -> int:
+    """``heap_bytes`` as an int if a symmetric heap's data region may have that size (:func:`configure`'s
+    rule, and the memory planner's): an integer that is a multiple of 16, so the collectives' chunk
+    boundaries stay 16-byte aligned, and at least 4096; ValueError naming ``heap_bytes`` otherwise."""
+    n = _as_int("heap_bytes", heap_bytes)
+    if n < 4096 or n % 16:
+        raise ValueError(f"heap_bytes: expected a multiple of 16 of at least 4096, got {n}")
+    return n
 
 
 def configure(

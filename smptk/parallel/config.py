@@ -238,24 +238,37 @@ class ParallelConfig:
                 f"config: {os.fspath(path)[:60]!r} is JSON text, not a file path; pass a dict "
                 "(json.loads(text)) or the path of a JSON file"
             )
-        text = file.read_text()
+        return cls.from_json_text(file.read_text(), f"config file {os.fspath(path)!r}")
+
+    @classmethod
+    def from_json_text(cls, text: str, source: str = "config") -> ParallelConfig:
+        """A config from JSON text holding one object of keys (a key given twice is refused, where
+        ``json.loads`` would keep the last); ``source`` names the text in errors (a file, a CLI option).
+
+        Example::
+
+            >>> ParallelConfig.from_json_text('{"tensor_parallel_degree": 2}').tensor_parallel_degree
+            2
+            >>> text = '{"hybrid_shard_degree": 2, "hybrid_shard_degree": 4}'
+            >>> ParallelConfig.from_json_text(text, "--config")
+            Traceback (most recent call last):
+            ...
+            ValueError: --config: key 'hybrid_shard_degree' is given more than once
+        """
 
         def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             keys = [k for k, _ in pairs]
             twice = sorted({k for k in keys if keys.count(k) > 1})
             if twice:
-                raise ValueError(f"config file {os.fspath(path)!r}: key {twice[0]!r} is given more than once")
+                raise ValueError(f"{source}: key {twice[0]!r} is given more than once")
             return dict(pairs)
 
         try:
             values = json.loads(text, object_pairs_hook=no_repeats)
         except json.JSONDecodeError as e:
-            raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
+            raise ValueError(f"{source} is not valid JSON: {e}") from None
         if not isinstance(values, dict):
-            raise TypeError(
-                f"config file {os.fspath(path)!r}: expected a JSON object of keys, "
-                f"got {type(values).__name__}"
-            )
+            raise TypeError(f"{source}: expected a JSON object of keys, got {type(values).__name__}")
         return cls.from_dict(values)
 
     @classmethod

@@ -63,7 +63,13 @@ from typing import Any
 from smptk.parallel.config import ParallelConfig
 from smptk.parallel.planner.clusters import CLUSTERS, Cluster
 from smptk.parallel.planner.clusters import cluster as _cluster
-from smptk.parallel.planner.estimate import LOSSES, MemoryEstimate, estimate_memory, tp_problem
+from smptk.parallel.planner.estimate import (
+    LOSSES,
+    MemoryEstimate,
+    estimate_memory,
+    heap_bytes_in_force,
+    tp_problem,
+)
 from smptk.parallel.planner.models import ModelSpec, model_spec
 
 MAX_GLOBAL_BATCH_TOKENS = 4 * 2**20
@@ -365,6 +371,7 @@ def advise(
     compute_efficiency: float = 0.6,
     suggest: bool = True,
     loss: str = "vocab_parallel",
+    heap_bytes: int | None = None,
 ) -> Advice:
     """Ranked configurations for ``model`` on ``cluster`` at ``seq_len`` (see the module docstring).
 
@@ -373,6 +380,7 @@ def advise(
     overrides the cluster's node count. When nothing fits, :attr:`Advice.suggestions` says what would.
     ``loss``: as :func:`~smptk.parallel.planner.estimate_memory`'s (``"gathered"`` for a model
     prepared with :func:`~smptk.parallel.transform`, whose logits are whole on every tp rank).
+    ``heap_bytes``: smptk's symmetric heap per group, as estimate_memory's (None: smptk.comm's setting).
     """
     spec = model_spec(model)
     cl = _cluster(cluster, nodes)
@@ -381,6 +389,7 @@ def advise(
     spec.check_seq_len(seq_len)
     if loss not in LOSSES:
         raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
+    heap_bytes = heap_bytes_in_force(heap_bytes)  # checked up front: the search skips what estimate refuses
     if global_batch_tokens is not None and (
         isinstance(global_batch_tokens, bool)
         or not isinstance(global_batch_tokens, int)
@@ -411,7 +420,8 @@ def advise(
                 )  # fmt: skip
                 try:
                     est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
-                                          optimizer=optimizer, attention=attention, loss=loss)  # fmt: skip
+                                          optimizer=optimizer, attention=attention, loss=loss,
+                                          heap_bytes=heap_bytes)  # fmt: skip
                 except ValueError:  # a degree the model's sizes do not divide: not a candidate
                     continue
                 per_step = dp * mb * seq_len
@@ -480,7 +490,7 @@ def advise(
         why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain, tp1_fits=tp1_fits, tp1_kept=tp1_kept)
         ranked.append(dataclasses.replace(c, reason=why))
     suggestions = (
-        _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss)
+        _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss, heap_bytes)
         if (suggest and not ranked)
         else ()
     )
@@ -537,7 +547,7 @@ def _why(
     return "; ".join(parts)
 
 
-def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss) -> int | None:
+def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes) -> int | None:
     """The smallest estimate over the search's degrees (tp, sharding degree, ep; full checkpointing +
     offloading, micro-batch 1). Not only full sharding: where stacked experts cannot shard evenly over
     every data-parallel rank, a smaller sharding degree can hold less (``expert_shard_dim``)."""
@@ -556,14 +566,17 @@ def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss) -
                 )  # fmt: skip
                 try:
                     est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=1, cluster=cl,
-                                          optimizer=optimizer, attention=attention, loss=loss)  # fmt: skip
+                                          optimizer=optimizer, attention=attention, loss=loss,
+                                          heap_bytes=heap_bytes)  # fmt: skip
                 except ValueError:
                     continue
                 best = est.total_bytes if best is None else min(best, est.total_bytes)
     return best
 
 
-def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss) -> list[str]:
+def _suggestions(
+    spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss, heap_bytes
+) -> list[str]:
     fitting = [c for c in rejected if c.fits]
     if fitting:  # memory is not what stops them: the global batch is (more memory would not help)
         over = [c for c in fitting if c.global_batch_tokens > MAX_GLOBAL_BATCH_TOKENS]
@@ -586,11 +599,13 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
         return out
     out = []
     memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
-    least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss)
+    least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes)
 
     @functools.cache
     def least_on(nodes: int) -> int | None:
-        return _min_total(spec, cl.with_nodes(nodes), seq_len, optimizer, attention, mixed_precision, loss)
+        return _min_total(
+            spec, cl.with_nodes(nodes), seq_len, optimizer, attention, mixed_precision, loss, heap_bytes
+        )
 
     def _fits_on(nodes: int) -> bool:
         m = least_on(nodes)
@@ -616,7 +631,7 @@ def _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejec
         if other.gpu.memory_bytes <= cl.gpu.memory_bytes:
             continue
         o = other.with_nodes(max(1, cl.world_size // other.gpus_per_node))
-        m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision, loss)
+        m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes)
         if m is not None and m <= other.gpu.memory_bytes - CUDA_CONTEXT_BYTES:
             out.append(
                 f"a larger GPU: {o.nodes} x {name} = {o.world_size} GPUs ({other.gpu.name}) would fit: "

@@ -18,7 +18,10 @@ Sources (vendor data sheets; the figures are the public ones, none is measured h
   NVIDIA DGX H100 (8 x H100, 8 x 400 Gb/s ConnectX-7: 3200 Gb/s).
 
 Memory is what ``torch.cuda.mem_get_info`` reports as total on the 80 GB H100 (81,559 MiB); the others
-are the data sheet's GB (1e9 bytes) or GiB where the product is sold in GiB (A100: 40 / 80 GiB).
+are the data sheet's GB (1e9 bytes: the H200's 141 GB is 131.3 GiB, GB200's 186 GB 173.2 GiB) or GiB where
+the product is sold in GiB (A100: 40 / 80 GiB). A custom cluster's ``memory_gb`` is read as GiB (2**30
+bytes, the unit the plan prints), not as the data sheet's GB: write 131.3 for a 141 GB H200 to match the
+p5en preset.
 
 Example::
 
@@ -35,6 +38,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +54,13 @@ class GPU:
     bf16_tflops: float
     hbm_gbps: float = 0.0
     sms: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"GPU {self.name!r}"
+        _count(where, "memory_bytes", self.memory_bytes)
+        _count(where, "sms", self.sms, least=0)
+        _number(where, "bf16_tflops", self.bf16_tflops)
+        _number(where, "hbm_gbps", self.hbm_gbps, zero_ok=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +94,13 @@ class Cluster:
     inter_latency_us: float = 20.0
 
     def __post_init__(self) -> None:
+        where = f"cluster {self.name!r}"
         for key in ("gpus_per_node", "nodes"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"cluster {self.name!r}: {key} must be an int >= 1, got {v!r}")
+            _count(where, key, getattr(self, key))
         for key in ("intra_node_gbps", "inter_node_gbps"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"cluster {self.name!r}: {key} must be > 0, got {getattr(self, key)!r}")
-        if not (self.gpu.memory_bytes > 0 and self.gpu.bf16_tflops > 0):
-            raise ValueError(f"cluster {self.name!r}: GPU memory and bf16_tflops must be > 0")
+            _number(where, key, getattr(self, key))
+        for key in ("intra_latency_us", "inter_latency_us"):
+            _number(where, key, getattr(self, key), zero_ok=True)
 
     @property
     def world_size(self) -> int:
@@ -110,6 +120,28 @@ class Cluster:
             f"({self.gpu.memory_bytes / 2**30:.0f} GiB, {self.gpu.bf16_tflops:g} TFLOP/s bf16), "
             f"NVLink {self.intra_node_gbps:g} GB/s per GPU, network {self.inter_node_gbps:g} Gbps per node"
         )
+
+
+def _count(where: str, key: str, value: Any, *, least: int = 1) -> int:
+    """``value`` if it is an int >= ``least`` (not a bool, not a float: 7.9 GPUs per node is a typo, not 7);
+    ValueError naming ``key`` and the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{where}: {key} must be an int >= {least}, got {value!r}")
+    return int(value)
+
+
+def _number(where: str, key: str, value: Any, *, zero_ok: bool = False) -> float:
+    """``value`` as a float if it is a finite real number > 0 (>= 0 with ``zero_ok``: latencies, and the
+    optional rates where 0 means unknown); ValueError naming ``key`` and the value otherwise (a string, a
+    bool, NaN, inf, an int too large for a float, a negative latency)."""
+    try:
+        x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int past a double's range: 10**400 GB of memory is not a GPU
+        x = math.inf
+    if not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{where}: {key} must be a finite number {bound}, got {value!r}")
+    return x
 
 
 A100_40 = GPU("A100-SXM4-40GB", 40 * 2**30, 312.0, 1555.0, 108)
@@ -133,10 +165,25 @@ _CUSTOM_KEYS = ("gpu", "memory_gb", "bf16_tflops", "gpus_per_node", "intra_node_
 
 def cluster(spec: str | Cluster | Mapping[str, Any], nodes: int | None = None) -> Cluster:
     """A Cluster from a preset name (:data:`CLUSTERS`, or ``p4d`` / ``p4de`` / ``p5`` / ``p5en``), a
-    Cluster, or a custom dict with keys ``gpu`` (a name), ``memory_gb`` (GiB), ``bf16_tflops``,
-    ``gpus_per_node``, ``intra_node_gbps`` (GB/s per GPU), ``inter_node_gbps`` (Gbit/s per node) and
-    optionally ``hbm_gbps``, ``sms``, ``intra_latency_us``, ``inter_latency_us``, ``name``. ``nodes``
-    overrides the node count. Unknown names raise ValueError listing the presets."""
+    Cluster, or a custom dict (a custom cluster JSON file holds the same object). ``nodes`` overrides the
+    node count. Unknown names raise ValueError listing the presets.
+
+    Custom keys and units:
+
+    - ``gpu``: a name;
+    - ``memory_gb``: device memory in GiB (2**30 bytes, as the plan prints it; a data sheet's GB is 1e9
+      bytes: a "141 GB" H200 is 131.3 here, the p5en preset's value);
+    - ``bf16_tflops``: peak dense bf16 TFLOP/s per GPU;
+    - ``gpus_per_node``: GPUs per node;
+    - ``intra_node_gbps``: NVLink GB/s per GPU, each way;
+    - ``inter_node_gbps``: the node's network in Gbit/s (all its NICs);
+    - optional: ``hbm_gbps`` (GB/s, 0: unknown), ``sms`` (0: unknown), ``intra_latency_us`` /
+      ``inter_latency_us`` (microseconds per message, default 5 / 20), ``name``, ``nodes`` (default 1).
+
+    Counts (``gpus_per_node``, ``nodes``, ``sms``) must be ints (7.9 GPUs per node is refused, not read
+    as 7); the rates and ``memory_gb`` finite numbers > 0 (``hbm_gbps`` >= 0), the latencies finite
+    numbers >= 0. A value that is not raises ValueError naming its key and the value.
+    """
     if isinstance(spec, Cluster):
         c = spec
     elif isinstance(spec, str):
@@ -165,22 +212,24 @@ def cluster(spec: str | Cluster | Mapping[str, Any], nodes: int | None = None) -
                 f"expected {', '.join(_CUSTOM_KEYS)}"
                 " (optional: hbm_gbps, sms, intra_latency_us, inter_latency_us, name, nodes)"
             )
+        name = str(spec.get("name", f"custom {spec['gpu']}"))
+        where = f"cluster {name!r}"
         gpu = GPU(
             str(spec["gpu"]),
-            int(float(spec["memory_gb"]) * 2**30),
-            float(spec["bf16_tflops"]),
-            float(spec.get("hbm_gbps", 0.0)),
-            int(spec.get("sms", 0)),
+            int(_number(where, "memory_gb", spec["memory_gb"]) * 2**30),  # GiB
+            _number(where, "bf16_tflops", spec["bf16_tflops"]),
+            _number(where, "hbm_gbps", spec.get("hbm_gbps", 0.0), zero_ok=True),
+            _count(where, "sms", spec.get("sms", 0), least=0),
         )
         c = Cluster(
-            str(spec.get("name", f"custom {spec['gpu']}")),
+            name,
             gpu,
-            int(spec["gpus_per_node"]),
-            float(spec["intra_node_gbps"]),
-            float(spec["inter_node_gbps"]),
-            int(spec.get("nodes", 1)),
-            float(spec.get("intra_latency_us", 5.0)),
-            float(spec.get("inter_latency_us", 20.0)),
+            _count(where, "gpus_per_node", spec["gpus_per_node"]),
+            _number(where, "intra_node_gbps", spec["intra_node_gbps"]),
+            _number(where, "inter_node_gbps", spec["inter_node_gbps"]),
+            _count(where, "nodes", spec.get("nodes", 1)),
+            _number(where, "intra_latency_us", spec.get("intra_latency_us", 5.0), zero_ok=True),
+            _number(where, "inter_latency_us", spec.get("inter_latency_us", 20.0), zero_ok=True),
         )
     else:
         raise TypeError(f"cluster: expected a preset name, a Cluster or a dict, got {type(spec).__name__}")

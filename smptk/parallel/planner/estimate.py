@@ -76,8 +76,9 @@ gathered from forward to backward; a block and its prefetched successor), the ga
 unit before its reduce-scatter (compute dtype, then the fp32 reduce-scatter input); the logits
 ``T V_t B`` and their fp32 gradient during the loss; one recomputed block under checkpointing; the MoE
 all-to-all send and receive buffers ``2 T k h B``. **smptk's symmetric heaps**: one per group that uses
-them (tp, dp_shard, ep with more than one rank, inside one node), ``SMPTK_COMM_HEAP_BYTES`` (64 MiB) plus
-the control words each. **Allocator margin**: 5% of the allocated bytes (fragmentation in PyTorch's
+them (tp, dp_shard, ep with more than one rank, inside one node), ``heap_bytes`` each (by default what
+:mod:`smptk.comm` uses in this process: ``SMPTK_COMM_HEAP_BYTES`` or ``comm.configure``'s, 64 MiB unset)
+plus the control words. **Allocator margin**: 5% of the allocated bytes (fragmentation in PyTorch's
 caching allocator; the CUDA context, ~0.5 GiB outside the allocator, is left to the fit check of
 :func:`smptk.parallel.planner.advise`).
 
@@ -100,6 +101,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from smptk import comm
+from smptk.comm.collectives import check_heap_bytes
 from smptk.kernels.heap_layout import DATA_OFFSET
 from smptk.parallel.config import ParallelConfig
 from smptk.parallel.expert_parallel import expert_shard_dim
@@ -111,7 +114,6 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
 ATTENTION = ("flash", "materialized")
 LOSSES = ("vocab_parallel", "gathered")  # how the logits meet the loss at tp > 1 (see estimate_memory)
 ALLOCATOR_MARGIN = 0.05
-DEFAULT_HEAP_BYTES = 64 * 2**20
 _COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "transient", "comm", "margin")
 
@@ -286,7 +288,7 @@ def estimate_memory(
     optimizer: str = "adamw",
     attention: str = "flash",
     sequence_parallel: bool | None = None,
-    heap_bytes: int = DEFAULT_HEAP_BYTES,
+    heap_bytes: int | None = None,
     loss: str = "vocab_parallel",
 ) -> MemoryEstimate:
     """Per-GPU memory of one training step of ``model`` under ``config``.
@@ -303,8 +305,9 @@ def estimate_memory(
             (default) is True for a dense model and False for one with MoE layers, which smptk runs
             without it (``transform`` refuses it there: True raises); pass what the model will run with
             (``transform``'s own default is False).
-        heap_bytes: smptk's symmetric heap per group (``SMPTK_COMM_HEAP_BYTES``): a positive multiple
-            of 16.
+        heap_bytes: the data region of smptk's symmetric heap per group, checked as
+            :func:`smptk.comm.configure` checks it (a multiple of 16, at least 4096); None (default):
+            what smptk.comm uses in this process (:func:`heap_bytes_in_force`).
         loss: how the logits meet the loss at tp > 1 (one of :data:`LOSSES`): ``"vocab_parallel"``
             (default), smptk's vocab-parallel cross-entropy on ``[T, V/tp]`` logits (the reference
             Transformer, ``examples/parallel_llama.py``); ``"gathered"``, the full ``[T, V]`` logits on
@@ -337,8 +340,7 @@ def estimate_memory(
         )
     if loss not in LOSSES:
         raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
-    if isinstance(heap_bytes, bool) or not isinstance(heap_bytes, int) or heap_bytes <= 0 or heap_bytes % 16:
-        raise ValueError(f"heap_bytes: expected a positive multiple of 16, got {heap_bytes!r}")
+    heap_bytes = heap_bytes_in_force(heap_bytes)
     t = sizes["tp"]
     sp = (not spec.is_moe if sequence_parallel is None else sequence_parallel) and t > 1
     _check_model_fits_degrees(spec, sizes, seq_len, sp)
@@ -363,11 +365,20 @@ def estimate_memory(
     )  # fmt: skip
 
 
+def heap_bytes_in_force(heap_bytes: int | None = None) -> int:
+    """The symmetric heap's data-region bytes a plan counts: ``heap_bytes`` checked by smptk.comm's rule
+    (:func:`smptk.comm.collectives.check_heap_bytes`), or for None what smptk.comm uses in this process
+    (``comm.settings()["heap_bytes"]``: ``SMPTK_COMM_HEAP_BYTES``, or ``comm.configure``'s value)."""
+    return int(comm.settings()["heap_bytes"]) if heap_bytes is None else check_heap_bytes(heap_bytes)
+
+
 def tp_problem(spec: ModelSpec, t: int) -> str | None:
     """Why smptk's tensor-parallel layers cannot split ``spec`` ``t`` ways (None: they can)."""
     if t == 1:
         return None
-    checks = [("num_heads", spec.num_heads), ("intermediate_size", spec.intermediate_size)]
+    checks = [("num_heads", spec.num_heads)]
+    if spec.num_layers > spec.num_moe_layers:  # some block has a dense MLP (an all-MoE model has none)
+        checks.append(("intermediate_size", spec.intermediate_size))
     if not spec.is_mla:
         checks.append(("num_kv_heads", spec.num_kv_heads))
     checks.append(("vocab_size", spec.vocab_size))  # VocabParallelEmbedding and the head: no padding
@@ -601,7 +612,7 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp, los
             f"{4 * T * V_t / 2**20:.1f} MiB",
         )
     )  # fmt: skip
-    per_block = max(dense["none"], moe["none"] if moe else 0)
+    per_block = max(dense["none"] if n_dense else 0, moe["none"] if moe else 0)  # the kinds it has
     return terms, host, per_block
 
 

@@ -340,7 +340,6 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         32,
         4,
         32768,
-        head_dim=128,
         attention_bias=False,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
@@ -374,7 +373,11 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
     """A ModelSpec from a Hugging Face config: a ``PretrainedConfig``, its dict, or a ``config.json`` path.
 
     ``model_type`` picks the architecture (:data:`SUPPORTED_MODEL_TYPES`); the keys read are the ones each
-    architecture's modeling code reads, with the same defaults.
+    architecture's modeling code reads, with the same defaults. What transformers refuses to build is
+    refused: a hidden size not divisible by the attention heads for GPT-2 and Llama (Llama even with
+    ``head_dim`` given; Mistral, Mixtral, Qwen2 / Qwen3 build ``heads x head_dim`` wide attention from an
+    explicit ``head_dim``, else ``hidden_size // heads``, and so does the count), and
+    ``num_key_value_heads`` 0 (None or no key: one per query head).
 
     Example (the keys of Llama 2 7B's ``config.json``; ``from_hf_config("path/to/checkpoint")`` reads the
     file, ``from_hf_config(transformers.AutoConfig.from_pretrained(...))`` takes the config object)::
@@ -415,6 +418,12 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
     if mt == "gpt2":
         h = c.get("n_embd", 768)
         heads = c.get("n_head", 12)
+        _positive(name, "n_head", heads)
+        if h % heads:  # GPT2Attention refuses it; GPT-2 has no head_dim key
+            raise ValueError(
+                f"{name}: n_embd {h} is not divisible by n_head {heads} (Hugging Face's GPT2Attention "
+                "refuses it)"
+            )
         return ModelSpec(
             name=name,
             vocab_size=c.get("vocab_size", 50257),
@@ -435,7 +444,15 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         )
     h = c["hidden_size"]
     heads = c["num_attention_heads"]
-    kv = c.get("num_key_value_heads") or heads
+    _positive(name, "num_attention_heads", heads)
+    # None (or no key) is one key / value head per query head, as transformers reads it; 0 is an error
+    kv = heads if c.get("num_key_value_heads") is None else c["num_key_value_heads"]
+    _positive(name, "num_key_value_heads", kv)
+    if mt == "llama" and h % heads:  # LlamaConfig's validate_architecture, even with an explicit head_dim
+        raise ValueError(
+            f"{name}: hidden_size {h} is not divisible by num_attention_heads {heads} (Hugging Face's "
+            "LlamaConfig refuses it, even with head_dim given)"
+        )
     common = dict(
         name=name,
         vocab_size=c["vocab_size"],
@@ -650,14 +667,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def model_spec(model: str | ModelSpec | Mapping | Any) -> ModelSpec:
     """A ModelSpec from a preset name (:data:`PRESETS`), a ModelSpec, a Hugging Face config (object or
-    dict) or a ``config.json`` path. An unknown name raises ValueError listing the presets."""
+    dict) or a ``config.json`` path (a file, or a checkpoint directory holding one). A string that names
+    a file or a directory holding a ``config.json`` is a path (``my_llama`` as well as ``./my_llama``),
+    even if a preset has its name; else a preset name. An unknown name raises ValueError listing the
+    presets."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str) and not (os.path.sep in model or model.endswith(".json")):
+        is_config = os.path.isfile(model) or os.path.isfile(os.path.join(model, "config.json"))
         key = model.lower()
-        if key not in PRESETS:
+        if not is_config and key in PRESETS:
+            return from_hf_config(PRESETS[key], name=key)
+        if not is_config and not os.path.isdir(model):  # a directory without one: from_hf_config says so
             raise ValueError(
                 f"unknown model {model!r}; presets: {', '.join(PRESETS)} (or a config.json path)"
             )
-        return from_hf_config(PRESETS[key], name=key)
     return from_hf_config(model)

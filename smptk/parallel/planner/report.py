@@ -18,8 +18,8 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
+from smptk.parallel.config import ParallelConfig
 from smptk.parallel.planner.advise import Advice, advise, step_time
 from smptk.parallel.planner.clusters import CLUSTERS, cluster
 from smptk.parallel.planner.estimate import (
@@ -33,7 +33,10 @@ from smptk.parallel.planner.models import PRESETS, model_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a HF config.json path")
+    p.add_argument(
+        "--model", required=True,
+        help=f"a preset ({', '.join(PRESETS)}), a HF config.json or a directory holding one",
+    )  # fmt: skip
     p.add_argument(
         "--instance",
         required=True,
@@ -45,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument(
-        "--global-batch-tokens", type=int, help="the global batch to reach (accumulation fills it)"
-    )
+        "--global-batch-tokens", type=int,
+        help="the global batch to reach (accumulation fills it; not with --config)",
+    )  # fmt: skip
     p.add_argument("--config", help="evaluate this ParallelConfig (a JSON file or an inline JSON object)")
     p.add_argument("--micro-batch", type=int, help="with --config: sequences per rank (default 1)")
     p.add_argument("--grad-accum", type=int, help="with --config: micro-batches per step (default 1)")
@@ -57,19 +61,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="at tp > 1: smptk's vocab-parallel loss on [T, V/tp] logits (default), or gathered [T, V] "
         "logits on every rank, as a model prepared with transform gives Hugging Face's loss",
     )  # fmt: skip
-    p.add_argument("--top", type=int, default=5, help="recommendations to print (default 5)")
+    p.add_argument(
+        "--heap-bytes", type=int, default=None,
+        help="smptk's symmetric heap per group, a multiple of 16 of at least 4096 (default: what smptk.comm "
+        "uses here: SMPTK_COMM_HEAP_BYTES, else 64 MiB)",
+    )  # fmt: skip
+    p.add_argument("--top", type=int, help="recommendations to print (default 5; not with --config)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def _load_config(text: str) -> Any:
+def _load_config(text: str) -> ParallelConfig:
+    """``--config``: inline JSON or a JSON file, both parsed by ParallelConfig (a key given twice refused)."""
     if text.lstrip().startswith("{"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config: not valid JSON: {e}") from None
+        return ParallelConfig.from_json_text(text, "--config")
     if not os.path.exists(text):
         raise ValueError(f"--config: {text!r} is neither a JSON object nor a file")
-    return text
+    return ParallelConfig.from_json(text)
 
 
 def _load_cluster(text: str, nodes: int | None):
@@ -122,15 +129,23 @@ def advice_table(adv: Advice, top: int) -> str:
 
 
 def run(args: argparse.Namespace, out=None) -> int:
-    """``smptk plan`` with parsed ``args``; returns the exit status (2 for bad input, with the reason)."""
+    """``smptk plan`` with parsed ``args``; returns the exit status (2 for bad input, with the reason).
+
+    The input is checked and the plan computed first, then printed: an error writing ``out`` (a closed
+    pipe) is not reported as bad input; :func:`smptk.cli.main` ends a closed pipe quietly."""
     out = out or sys.stdout
     try:
-        if args.top < 1:
+        if args.top is not None and args.top < 1:
             raise ValueError(f"--top: expected an int >= 1, got {args.top}")
         if args.config is None and (args.micro_batch is not None or args.grad_accum is not None):
             raise ValueError(
                 "--micro-batch / --grad-accum apply to --config only (advice searches micro-batches and "
                 "fills --global-batch-tokens with accumulation itself)"
+            )
+        if args.config is not None and (args.global_batch_tokens is not None or args.top is not None):
+            raise ValueError(
+                "--global-batch-tokens / --top apply to the advice only, not to --config (it evaluates one "
+                "configuration at --micro-batch and --grad-accum)"
             )
         spec = model_spec(args.model)
         cl = _load_cluster(args.instance, args.nodes)
@@ -139,37 +154,40 @@ def run(args: argparse.Namespace, out=None) -> int:
             mb = 1 if args.micro_batch is None else args.micro_batch
             accum = 1 if args.grad_accum is None else args.grad_accum
             est = estimate_memory(
-                spec, cfg, seq_len=args.seq_len, micro_batch=mb, cluster=cl,
-                optimizer=args.optimizer, attention=args.attention, loss=args.loss,
+                spec, cfg, seq_len=args.seq_len, micro_batch=mb, cluster=cl, optimizer=args.optimizer,
+                attention=args.attention, loss=args.loss, heap_bytes=args.heap_bytes,
             )  # fmt: skip
             tm = step_time(spec, est.config, cl, seq_len=args.seq_len, micro_batch=mb, grad_accum=accum)
-            fits = est.fits()
-            if args.json:
-                doc = {**est.to_dict(), "fits": fits, "step": tm.__dict__}
-                print(json.dumps(doc, indent=2), file=out)
-                return 0
-            print(spec.describe(), file=out)
-            print(cl.describe(), file=out)
-            print(breakdown_table(est), file=out)
-            verdict = "fits" if fits else "does NOT fit"
-            print(f"{verdict} in {cl.gpu.memory_bytes / 2**30:.1f} GiB (less 0.5 GiB CUDA context)", file=out)
-            print(f"predicted {tm.describe()}", file=out)
-            return 0
-        adv = advise(
-            spec, cl, seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens,
-            optimizer=args.optimizer, attention=args.attention, loss=args.loss,
-        )  # fmt: skip
+        else:
+            adv = advise(
+                spec, cl, seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens,
+                optimizer=args.optimizer, attention=args.attention, loss=args.loss,
+                heap_bytes=args.heap_bytes,
+            )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
         print(f"smptk plan: error: {e}", file=sys.stderr)
         return 2
+    if args.config is not None:
+        fits = est.fits()
+        if args.json:
+            print(json.dumps({**est.to_dict(), "fits": fits, "step": tm.__dict__}, indent=2), file=out)
+            return 0
+        print(spec.describe(), file=out)
+        print(cl.describe(), file=out)
+        print(breakdown_table(est), file=out)
+        verdict = "fits" if fits else "does NOT fit"
+        print(f"{verdict} in {cl.gpu.memory_bytes / 2**30:.1f} GiB (less 0.5 GiB CUDA context)", file=out)
+        print(f"predicted {tm.describe()}", file=out)
+        return 0
+    top = 5 if args.top is None else args.top
     if args.json:
-        print(json.dumps(adv.to_dict(top=args.top), indent=2), file=out)
+        print(json.dumps(adv.to_dict(top=top), indent=2), file=out)
         return 0
     print(spec.describe(), file=out)
     print(f"{cl.describe()}, seq_len {args.seq_len}", file=out)
     if not adv.candidates:
         print(adv.summary().split("\n", 2)[2], file=out)  # "nothing fits:" (or why not) and the suggestions
         return 0
-    print(advice_table(adv, args.top), file=out)
+    print(advice_table(adv, top), file=out)
     print(breakdown_table(adv.best.estimate), file=out)
     return 0
