@@ -350,15 +350,20 @@ def test_ddp_leaves_the_moe_token_counts_out_of_its_buffer_broadcast() -> None:
         assert id(model[1].expert_bias) in broadcast and id(model[0].running_mean) in broadcast
 
 
-def test_ddp_refuses_a_meta_model_and_says_the_order() -> None:
-    """DDP checks its parameters' values across ranks (Tensor.item() on meta used to crash in there): the
-    replicated path takes a materialized model, and says so."""
+def test_replicating_a_meta_model_runs_on_fsdp2() -> None:
+    """DDP checks and broadcasts allocated parameters at construction (Tensor.item() on meta used to crash
+    in there), and transform's delayed-init flow (build on meta, transform, materialize) cannot materialize
+    first: it was refused at hybrid_shard_degree 1 and fp32, where every other layout worked. A meta model
+    replicates on FSDP2 over a 1-rank shard dim, saying why, and materialize allocates it after."""
     with fake_world(2):
         state = parallel.init({"hybrid_shard_degree": 1, "mixed_precision": "fp32"})
         with torch.device("meta"):
-            model = nn.Linear(2, 2)
-        with pytest.raises(ValueError, match=r"DDP .* on the meta device: call smptk\.parallel\.materialize"):
-            apply_data_parallel(model, state)
+            model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+        out, report = apply_data_parallel(model, state, use_smptk_collectives=False)
+        assert report.engine == "fsdp2" and report.mode == "replicate"
+        assert "DDP needs allocated parameters and 0.weight is on the meta device" in report.reason
+        parallel.materialize(out, state)
+        assert not any(p.is_meta for p in out.parameters())
 
 
 def test_smptk_required_where_it_cannot_run() -> None:

@@ -14,7 +14,7 @@ data-parallel training under the state of :func:`smptk.parallel.init`, following
 
 Why DDP for replication, and why not always. ``hybrid_shard_degree=1`` means gradients all-reduced
 through smptk's DDP hook, overlapped with backward (DDP launches each bucket's all-reduce as soon as its
-gradients are ready). Two cases cannot take that path, and the FSDP2 engine with a 1-rank shard dim
+gradients are ready). Three cases cannot take that path, and the FSDP2 engine with a 1-rank shard dim
 serves them instead (no parameter is sharded; FSDP2 all-reduces the gradients across ``dp_replicate``
 with torch.distributed, and the report says so with the reason):
 
@@ -22,7 +22,9 @@ with torch.distributed, and the report says so with the reason):
   ``c10d.broadcast_``, which DTensor has no sharding rule for: NotImplementedError on torch 2.13);
 - bf16 / fp16 mixed precision: DDP's mixed precision (``_MixedPrecision``) installs its own comm hook,
   and a DDP module takes only one, so smptk's hook and bf16 parameters with fp32 reduction exclude
-  each other; FSDP2's ``MixedPrecisionPolicy`` has no such conflict.
+  each other; FSDP2's ``MixedPrecisionPolicy`` has no such conflict;
+- a model on the meta device (delayed initialization): DDP checks and broadcasts allocated parameters
+  at construction, and ``transform`` applies data parallelism before the user's ``materialize``.
 
 Units. FSDP2 groups parameters into units, one all-gather and one reduce-scatter each, and must be
 applied bottom-up. ``modules`` picks the units below the root (the root is always one, last): by default
@@ -528,6 +530,12 @@ def apply_data_parallel(
                 f"mixed_precision {cfg.mixed_precision!r} needs 16-bit parameters with fp32 reduction, and "
                 "DDP's mixed precision replaces any comm hook"
             )
+        on_meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+        if on_meta is not None:  # transform's delayed-init flow cannot materialize before this call
+            reasons.append(
+                f"DDP needs allocated parameters and {on_meta} is on the meta device (delayed "
+                "initialization): FSDP2 takes the meta model, and materialize allocates it after"
+            )
         if reasons:
             why_engine = "replicate runs on FSDP2 with a 1-rank dp_shard dim: " + "; ".join(reasons)
         else:
@@ -535,14 +543,6 @@ def apply_data_parallel(
     policy = mixed_precision_policy(cfg.mixed_precision)
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if engine == "ddp":
-        if meta:
-            raise ValueError(
-                f"model: DDP (hybrid_shard_degree 1, {mode}) replicates allocated parameters, and "
-                f"{meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device: call "
-                "smptk.parallel.materialize(model, state) first, then apply_data_parallel (FSDP2 takes a "
-                "meta model and materializes each rank's shards after; a replicated model is whole on every "
-                "rank anyway)"
-            )
         return _apply_ddp(model, state, mode, use_smptk_collectives, ddp_options)
     if cfg.delayed_parameter_initialization and len(meta) < sum(1 for _ in model.parameters()):
         warnings.warn(
