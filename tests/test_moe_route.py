@@ -268,6 +268,31 @@ def test_renormalized_sigmoid_scores_that_underflow(monkeypatch, path):
     assert torch.isfinite(grad).all() and torch.equal(grad[1], torch.zeros(3))
 
 
+@pytest.mark.parametrize("score_func", SCORE_FUNCS)
+def test_infinite_and_nan_logits_give_the_torch_paths_values(monkeypatch, score_func):
+    """Rows with an inf logit, a NaN logit or only -inf ones: the Triton path's weights, ids, z-loss and
+    gradients are the PyTorch path's (autograd of the same math). Its backward added the unused z-loss's
+    and (sigmoid) aux loss's terms times a zero gradient, so 0 * NaN turned such a row's whole gradient NaN
+    where torch's is finite, and its logsumexp was NaN where torch.logsumexp is +-inf."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0], [inf, 0.0, 1.0, 2.0], [nan, 0.0, 1.0, 2.0], [-inf] * 4])
+    g = torch.tensor([[1.0, 2.0]]).expand(4, 2)
+    got = {}
+    for path in PATHS:
+        use_path(monkeypatch, path, "cpu")
+        leaf = logits.clone().requires_grad_()
+        r = moe_route(leaf, 2, score_func=score_func, renormalize=False)
+        (grad,) = torch.autograd.grad((r.weights * g).sum(), leaf)
+        got[path] = (r.weights, r.expert_ids, r.z_loss, grad)
+    for name, a, b in zip(("weights", "ids", "z_loss", "dlogits"), *got.values(), strict=True):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-6, atol=1e-7, msg=name)
+    use_path(monkeypatch, "triton", "cpu")
+    one_inf = moe_route(logits[:2], 2, score_func=score_func).z_loss  # no NaN row: torch.logsumexp's inf
+    assert one_inf == inf, one_inf
+    if score_func == "sigmoid":  # finite gradients where the picked scores are finite (rows 0, 1, 3)
+        assert torch.isfinite(got["triton"][3][[0, 1, 3]]).all()
+
+
 def test_paths_agree(monkeypatch):
     """SMPTK_KERNELS=torch and the Triton path: same ids and counts, weights and losses within rounding."""
     logits = route_logits(40, 7, dtype=torch.bfloat16, seed=5)

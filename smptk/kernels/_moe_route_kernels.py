@@ -38,7 +38,9 @@ def _scores(s, SCORE_FUNC: tl.constexpr):
     ex = tl.exp(s - m[:, None])
     den = tl.sum(ex, axis=1)
     p = ex / den[:, None]
-    lse = m + tl.log(den)
+    # torch.logsumexp's value where the max is infinite (an inf logit: inf; a row of -inf: -inf), not the
+    # NaN of inf - inf above
+    lse = tl.where(tl.abs(m) == float("inf"), m, m + tl.log(den))
     if SCORE_FUNC == 0:
         score = p
         q = p
@@ -223,15 +225,21 @@ def _route_bwd_kernel(
     # aux_loss -> q: d aux / d q[t, e] = E * f_e / T = E * counts_e / (T^2 k), fp32 (T^2 passes int32).
     t_f = tl.maximum(T * 1.0, 1.0)
     counts = tl.load(counts_ptr + e_idx, mask=e_ok, other=0).to(tl.float32)
-    a = tl.load(daux_ptr) * E * counts / (t_f * t_f * top_k)
+    # A loss the caller did not use (its gradient 0) adds nothing: not 0 * NaN where a row's logits make
+    # q, p or lse NaN or infinite (an inf or NaN logit), which autograd of the same math never computes.
+    daux = tl.load(daux_ptr)
+    a = daux * E * counts / (t_f * t_f * top_k)
     if SCORE_FUNC == 0:
         gq = gsc + a[None, :]
         ds = p * (gq - tl.sum(p * gq, axis=1)[:, None])
     else:
-        ssum = tl.sum(score, axis=1) + 1e-20  # as the forward's q
-        gsc += (a[None, :] - tl.sum(a[None, :] * q, axis=1)[:, None]) / ssum[:, None]
+        if daux != 0:
+            ssum = tl.sum(score, axis=1) + 1e-20  # as the forward's q
+            gsc += (a[None, :] - tl.sum(a[None, :] * q, axis=1)[:, None]) / ssum[:, None]
         ds = gsc * score / (1.0 + tl.exp(s))  # sigmoid' = sigmoid(s) * sigmoid(-s): no 1 - score cancellation
-    ds += (2.0 * tl.load(dz_ptr) / t_f) * lse[:, None] * p
+    dz = tl.load(dz_ptr)
+    if dz != 0:
+        ds += (2.0 * dz / t_f) * lse[:, None] * p
     tl.store(
         dlogits_ptr + rows[:, None] * E + e_idx[None, :],
         ds.to(dlogits_ptr.dtype.element_ty),

@@ -22,7 +22,9 @@ H100's public peak figures, not a measurement). Without grad (inference) z is no
 activation nothing extra is saved (dz = dy). The epilogue applies the activation to the fp32 sum, so a z
 past fp16's 65504 gives a finite output but is saved as +-inf; the backward takes the derivative's exact
 tail for |z| > 100 (0 or 1 for gelu, gelu_tanh and silu), so the gradients stay those of the fp32 z (the
-PyTorch path, which rounds z first, gives NaN there, as ``F.silu(F.linear(...))`` in fp16 does).
+PyTorch path, which rounds z first, gives NaN there, as ``F.silu(F.linear(...))`` in fp16 does). The same
+tails apply where z is truly infinite (an inf in x, the weight or the bias): the output holds the inf or
+NaN torch gives, but the gradients are the tails' finite limits, where torch's autograd gives NaN.
 
 Example::
 

@@ -17,6 +17,11 @@ same reason fused_linear saves its pre-activation: recomputing them would cost t
 3. ``[dw_gate; dw_up] = dh.T @ x`` in one launch: the two weight grads are the halves of a ``[2N, K]``
    result, so x is read once for both.
 
+fp16 range: the forward forms silu(g) * u from the fp32 accumulators, so y is right where g or u passes
+65504 but y does not; the saved h then holds +-inf. A saved g takes silu's exact tails (as fused_linear's
+z), but a saved u has lost its magnitude: dg = dy * u * silu'(g) comes out inf / NaN unless silu'(g) is
+exactly 0 (g < -100), even where the fp32 gradient is tiny (u = 9e4, g = -30: 2e-8). bf16 has the range.
+
 Example::
 
     >>> x = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
