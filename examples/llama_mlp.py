@@ -15,12 +15,14 @@ the check takes seconds::
 
 It prints which path ran (:func:`smptk.kernels.runtime.select_path`); where that is the PyTorch path
 (``SMPTK_KERNELS=torch``, ``TRITON_INTERPRET=0``, no Triton) it says the comparison is PyTorch against
-itself. Exits with status 1 when an error exceeds the dtype's bound.
+itself. Exits with status 1 when an error exceeds the dtype's bound or is not finite (NaN, inf), and with
+status 2 (argparse) for a size below 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -68,6 +70,13 @@ def describe_path(x: torch.Tensor) -> str:
     return path
 
 
+def failures(errors: dict[str, float], bound: float) -> list[str]:
+    """The names in ``errors`` whose relative error is above ``bound`` or not finite: NaN compares False
+    with anything (so ``nan > bound`` passes it and ``max`` may drop it), and a comparison of NaN outputs
+    must fail."""
+    return [name for name, err in errors.items() if not (math.isfinite(err) and err <= bound)]
+
+
 def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens, hidden, ffn = GPU_SHAPE if device == "cuda" else CPU_SHAPE
@@ -76,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=hidden)
     parser.add_argument("--ffn", type=int, default=ffn)
     args = parser.parse_args(argv)
+    for flag in ("tokens", "hidden", "ffn"):
+        if getattr(args, flag) < 1:  # 0 tokens compare nothing; 0 features divide by zero at init
+            parser.error(f"--{flag} {getattr(args, flag)}: expected at least 1")
 
     # bf16 on a GPU; fp32 on a CPU (the Triton interpreter mishandles bf16 tl.dot).
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -111,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     errors.update({f"grad {n}": rel(g, r) for n, g, r in zip(names, grads, refs, strict=True)})
     for name, err in errors.items():
         print(f"{name:<12} rel. error vs eager: {err:.2e}")
-    worst = max(errors.values())
-    if worst > bound:
-        print(f"FAIL: largest relative error {worst:.2e} exceeds {bound:.0e} for {dtype}")
+    failed = failures(errors, bound)
+    if failed:
+        worst = ", ".join(f"{name} {errors[name]:.2e}" for name in failed)
+        print(f"FAIL: relative error above {bound:.0e} or not finite for {dtype}: {worst}")
         return 1
     print(f"ok: every relative error <= {bound:.0e}")
     return 0

@@ -16,15 +16,23 @@ SwiGLU MLP, a final RMSNorm and a vocab-parallel LM head whose sharded logits go
   learnable, so the loss falls); each data-parallel rank takes an equal share of the global batch (the
   data-parallel size must divide its rows).
 
-Checkpoints: after ``--save-at`` steps the run saves model and optimizer with
-``smptk.parallel.dcp.save_checkpoint`` (torch.distributed.checkpoint, one shard file per rank) and trains on.
-Then it builds a fresh model from another seed, loads that checkpoint and trains the same steps again:
-the losses must match the first pass (exactly in fp32). ``--resume`` instead starts from the newest
-checkpoint in ``--ckpt-dir``, under whatever config this run has (checkpoints reshard).
+Checkpoints: after ``--save-at`` steps the run saves model and optimizer (and, in fp16, the loss scaler)
+with ``smptk.parallel.dcp.save_checkpoint`` (torch.distributed.checkpoint, one shard file per rank) into
+``--ckpt-dir``/step<N> and trains on. Then it builds a fresh model from another seed, loads that
+checkpoint and trains the same steps again: the losses must match the first pass (exactly in fp32), and
+a loss that is not finite on either pass is a mismatch. Without ``--ckpt-dir`` the checkpoint goes to a
+temporary directory, removed at the end. ``--resume`` instead trains ``--steps`` steps from the
+checkpoint step<N> in ``--ckpt-dir`` with the highest N, under whatever config this run has
+(checkpoints reshard), and saves none. It picks by step number, not by time: in a directory that several
+runs share, the checkpoint furthest into training wins, whichever run wrote it last.
 
-A ``--config`` file may set any key of :class:`smptk.parallel.ParallelConfig`; ``activation_checkpointing``
-(with ``sm_activation_offloading``) and ``delayed_parameter_initialization`` apply to the model (see
-``build``).
+A ``--config`` file (in place of ``--tp`` / ``--hybrid-shard``) may set any key of
+:class:`smptk.parallel.ParallelConfig`, and the keys it leaves out take ParallelConfig's defaults:
+``mixed_precision`` "bf16", on a CPU too, where ``--tp`` trains in fp32 (the first line printed says which
+precision runs). ``activation_checkpointing`` (with ``sm_activation_offloading``) and
+``delayed_parameter_initialization`` apply to the model (see ``build``); with ``mixed_precision`` "fp16"
+the loss is scaled with torch's ``ShardedGradScaler`` (README, ``mixed_precision``), whose state the
+checkpoint keeps.
 
 Run (CPU: gloo and PyTorch kernels; GPUs: NCCL, bf16 parameters with fp32 reduction)::
 
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -56,10 +65,11 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import parallelize_module
 
 import smptk.parallel as sp
-from smptk.parallel.dcp import load_checkpoint, save_checkpoint
+from smptk.parallel.dcp import EXTRA_KEY, checkpoint_keys, load_checkpoint, save_checkpoint
 from smptk.parallel.fsdp import apply_data_parallel
 
 # The model: Llama's shape at toy size. heads and kv_heads must be divisible by the tensor-parallel degree,
@@ -216,7 +226,9 @@ def check_model_config(cfg: dict, tp: int, dp: int) -> None:
 
 
 def build(state, device: torch.device, seed: int, lr: float):
-    """The parallelized model and its AdamW; parameters drawn from ``seed`` (the same on every rank).
+    """The parallelized model, its AdamW, a ``ShardedGradScaler`` (enabled in fp16 only: its overflow
+    check is all-reduced over the world, so every rank skips the same steps) and the data-parallel report;
+    parameters drawn from ``seed`` (the same on every rank).
 
     The config's ``activation_checkpointing`` (with ``sm_activation_offloading``) applies to the blocks;
     with ``delayed_parameter_initialization`` the model is built on the meta device, parallelized there,
@@ -234,7 +246,20 @@ def build(state, device: torch.device, seed: int, lr: float):
     if blocks:
         say(f"activation checkpointing ({state.config.activation_checkpointing}): {len(blocks)} blocks")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    return model, opt, report
+    scaler = ShardedGradScaler(device.type, enabled=state.config.mixed_precision == "fp16")
+    return model, opt, scaler, report
+
+
+def scaler_extra(scaler: ShardedGradScaler, path: str | None = None) -> dict | None:
+    """``extra`` for ``save_checkpoint`` / ``load_checkpoint``: the fp16 loss scale, which a resume needs to
+    skip and scale as the first pass did. None without a scaler, or to load a checkpoint ``path`` that holds
+    none (saved by a bf16 / fp32 run: the scaler starts from its initial scale)."""
+    if not scaler.is_enabled():
+        return None
+    if path is not None and not any(k.startswith(f"{EXTRA_KEY}.grad_scaler.") for k in checkpoint_keys(path)):
+        say(f"{path} holds no loss scale (saved without fp16): the scaler starts from its initial scale")
+        return None
+    return {"grad_scaler": scaler}
 
 
 def global_batch(step: int, vocab: int) -> torch.Tensor:
@@ -251,8 +276,9 @@ def global_batch(step: int, vocab: int) -> torch.Tensor:
     return x
 
 
-def train(model, opt, state, device, steps: range) -> list[float]:
-    """One AdamW step per entry of ``steps``; returns the loss of each, averaged over the dp ranks."""
+def train(model, opt, scaler, state, device, steps: range) -> list[float]:
+    """One AdamW step per entry of ``steps`` (fp16: skipped where ``scaler`` finds an overflow); returns the
+    loss of each, averaged over the dp ranks."""
     dp, d = state.sizes["dp"], state.coords["dp"]
     rows = slice(d * BATCH // dp, (d + 1) * BATCH // dp)
     losses = []
@@ -261,8 +287,9 @@ def train(model, opt, state, device, steps: range) -> list[float]:
         logits = model(tokens[:, :-1])  # [b, s, vocab / tp]
         loss = sp.vocab_parallel_cross_entropy(logits, tokens[:, 1:], group=state.group("tp"))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()  # scaling, unscaling and the overflow check: fp16 only
+        scaler.step(opt)
+        scaler.update()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=state.group("dp"))  # the same on every tp rank: count one per dp rank
         losses.append(mean.item() / dp)
@@ -276,6 +303,9 @@ def say(text: str) -> None:
 
 
 def latest_checkpoint(ckpt_dir: str) -> tuple[str, int]:
+    """The path and N of the ``step<N>`` directory in ``ckpt_dir`` with the highest N. By step, not by
+    modification time: a copy keeps the step and loses the time, and the furthest checkpoint is the one to
+    continue from."""
     steps = [int(p.name[4:]) for p in Path(ckpt_dir).glob("step*") if p.name[4:].isdigit()]
     if not steps:
         raise FileNotFoundError(f"--resume: no step<N> checkpoint in --ckpt-dir {ckpt_dir!r}")
@@ -284,26 +314,56 @@ def latest_checkpoint(ckpt_dir: str) -> tuple[str, int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree (default 1)")
+    p.add_argument("--tp", type=int, help="tensor_parallel_degree (default 1; not with --config)")
     p.add_argument(
-        "--hybrid-shard", type=int, default=0, help="hybrid_shard_degree: 0 full shard, 1 replicate, k HSDP"
+        "--hybrid-shard", type=int,
+        help="hybrid_shard_degree: 0 full shard (default), 1 replicate, k HSDP; not with --config",
+    )  # fmt: skip
+    p.add_argument(
+        "--config",
+        help="a ParallelConfig JSON file, in place of --tp / --hybrid-shard; keys it leaves out take "
+        'ParallelConfig\'s defaults (mixed_precision "bf16", on a CPU too)',
     )
-    p.add_argument("--config", help="a ParallelConfig JSON file (replaces --tp / --hybrid-shard)")
     p.add_argument(
         "--steps", type=int, default=8, help="optimizer steps (default 8; at least 2 without --resume)"
     )
-    p.add_argument("--save-at", type=int, help="save a checkpoint after this many steps (default steps / 2)")
-    p.add_argument("--ckpt-dir", help="checkpoint directory (default: a new temporary directory)")
-    p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --ckpt-dir")
+    p.add_argument(
+        "--save-at", type=int,
+        help="save a checkpoint after this many steps, 0 < save-at < steps (default steps / 2); not with "
+        "--resume",
+    )  # fmt: skip
+    p.add_argument(
+        "--ckpt-dir",
+        help="checkpoint directory (default: a temporary directory, removed at the end of the run)",
+    )
+    p.add_argument(
+        "--resume", action="store_true",
+        help="train --steps steps from the checkpoint step<N> in --ckpt-dir with the highest N (by step, not "
+        "by time: in a directory several runs share, the furthest checkpoint), saving none",
+    )  # fmt: skip
     p.add_argument(
         "--lr", type=float, default=3e-3,
         help="AdamW's learning rate (default 3e-3); a --resume run keeps the checkpoint's",
     )  # fmt: skip
     args = p.parse_args(argv)
+    flags = [f"--{f.replace('_', '-')}" for f in ("tp", "hybrid_shard") if getattr(args, f) is not None]
+    if args.config and flags:
+        p.error(
+            f"--config and {' / '.join(flags)} together: the flags would be ignored; set "
+            "tensor_parallel_degree / hybrid_shard_degree in the config file"
+        )
+    args.tp = 1 if args.tp is None else args.tp
+    args.hybrid_shard = 0 if args.hybrid_shard is None else args.hybrid_shard
+    if args.resume and not args.ckpt_dir:
+        p.error("--resume needs --ckpt-dir")
+    if args.resume and args.save_at is not None:
+        p.error(f"--save-at {args.save_at} with --resume: a resumed run saves no checkpoint")
     if args.steps < 1:
         p.error(f"--steps {args.steps}: expected at least 1")
     if not args.resume and args.save_at is None and args.steps < 2:
         p.error(f"--steps {args.steps}: saving and resuming mid-run needs at least 2 (or pass --resume)")
+    if args.save_at is not None and not 0 < args.save_at < args.steps:
+        p.error(f"--save-at {args.save_at}: expected 0 < save-at < --steps {args.steps}")
     if args.ckpt_dir and os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
         p.error(f"--ckpt-dir {args.ckpt_dir}: exists and is not a directory")
     return args
@@ -313,8 +373,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         sys.exit("launch with torchrun: torchrun --standalone --nproc-per-node 2 examples/parallel_llama.py")
-    if args.resume and not args.ckpt_dir:
-        sys.exit("--resume needs --ckpt-dir")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -334,57 +392,74 @@ def main(argv=None) -> int:
             }
         state = sp.init(config)
         check_model_config(MODEL, state.sizes["tp"], state.sizes["dp"])
-        code = run(args, state, device)
-        dist.barrier()  # before the exit (README: "Ending a job"); not after an error
+        temporary = args.ckpt_dir is None  # this run's own directory: removed at the end
+        holder = [
+            args.ckpt_dir or (tempfile.mkdtemp(prefix="parallel_llama-") if dist.get_rank() == 0 else None)
+        ]
+        dist.broadcast_object_list(holder, src=0)  # every rank writes its shard into the same directory
+        try:
+            code = run(args, state, device, holder[0])
+            dist.barrier()  # before the exit (README: "Ending a job") and the removal; not after an error
+        finally:
+            if temporary and dist.get_rank() == 0:
+                shutil.rmtree(holder[0], ignore_errors=True)
+        if temporary:
+            say(f"removed the temporary checkpoint directory {holder[0]} (--ckpt-dir keeps one)")
         return code
     finally:
         sp.reset()
         dist.destroy_process_group()
 
 
-def run(args, state, device) -> int:
-    sizes = ", ".join(f"{k} {state.sizes[k]}" for k in ("tp", "dp_replicate", "dp_shard"))
-    say(
-        f"parallel_llama: world {state.world_size} ({sizes}), {device.type}, mixed_precision "
-        f"{state.config.mixed_precision}, kernels {os.environ.get('SMPTK_KERNELS', 'auto')}"
-    )
-    holder = [args.ckpt_dir or (tempfile.mkdtemp(prefix="parallel_llama-") if dist.get_rank() == 0 else None)]
-    dist.broadcast_object_list(holder, src=0)  # every rank writes its shard into the same directory
-    ckpt_dir = holder[0]
+def compare_resumed(rest: list[float], again: list[float], tol: float) -> tuple[float, bool]:
+    """The largest ``|again - rest|`` over the steps both passes trained, and whether it is within ``tol``.
+    A loss that is not finite on either side makes it nan, a mismatch (``max`` may drop a nan, and
+    ``nan <= tol`` is False where ``nan > tol`` is too)."""
+    if not all(math.isfinite(v) for v in rest + again):
+        return math.nan, False
+    diff = max(abs(a - b) for a, b in zip(again, rest, strict=True))
+    return diff, diff <= tol
 
-    model, opt, report = build(state, device, seed=state.config.random_seed, lr=args.lr)
+
+def run(args, state, device, ckpt_dir: str) -> int:
+    sizes = ", ".join(f"{k} {state.sizes[k]}" for k in ("tp", "dp_replicate", "dp_shard"))
+    precision = state.config.mixed_precision
+    say(
+        f"parallel_llama: world {state.world_size} ({sizes}), {device.type}, mixed_precision {precision}"
+        f"{' (loss scaled by ShardedGradScaler)' if precision == 'fp16' else ''}, "
+        f"kernels {os.environ.get('SMPTK_KERNELS', 'auto')}"
+    )
+    model, opt, scaler, report = build(state, device, seed=state.config.random_seed, lr=args.lr)
     say(report.describe().splitlines()[0])
     if args.resume:
         path, start = latest_checkpoint(ckpt_dir)
-        loaded = load_checkpoint(path, model, opt)
-        say(f"resumed from {path} (saved after step {loaded})")
-        train(model, opt, state, device, range(start, start + args.steps))
+        loaded = load_checkpoint(path, model, opt, extra=scaler_extra(scaler, path))
+        say(f"resumed from {path} (saved after {loaded} steps)")
+        train(model, opt, scaler, state, device, range(start, start + args.steps))
         return 0
 
     save_at = args.save_at if args.save_at is not None else args.steps // 2
-    if not 0 < save_at < args.steps:
-        raise ValueError(f"--save-at {save_at}: expected 0 < save-at < --steps {args.steps}")
-    first = train(model, opt, state, device, range(save_at))
+    first = train(model, opt, scaler, state, device, range(save_at))
     path = os.path.join(ckpt_dir, f"step{save_at}")
-    save_checkpoint(path, model, opt, step=save_at)
-    say(f"saved checkpoint {path}")
-    rest = train(model, opt, state, device, range(save_at, args.steps))
+    save_checkpoint(path, model, opt, step=save_at, extra=scaler_extra(scaler))
+    say(f"saved checkpoint {path} after {save_at} steps")
+    rest = train(model, opt, scaler, state, device, range(save_at, args.steps))
     losses = first + rest
 
     # Resume: a fresh model from another seed, the checkpoint loaded, the same steps again.
-    model, opt, _ = build(state, device, seed=state.config.random_seed + 1, lr=args.lr)
-    load_checkpoint(path, model, opt)
+    model, opt, scaler, _ = build(state, device, seed=state.config.random_seed + 1, lr=args.lr)
+    load_checkpoint(path, model, opt, extra=scaler_extra(scaler, path))
     say(f"resume: loaded {path} into a fresh model; steps {save_at}..{args.steps - 1} again")
-    again = train(model, opt, state, device, range(save_at, args.steps))
-    diff = max(abs(a - b) for a, b in zip(again, rest, strict=True))
-    tol = 0.0 if state.config.mixed_precision == "fp32" and device.type == "cpu" else 1e-3 * max(rest)
+    again = train(model, opt, scaler, state, device, range(save_at, args.steps))
+    tol = 0.0 if precision == "fp32" and device.type == "cpu" else 1e-3 * max(rest)
+    diff, match = compare_resumed(rest, again, tol)
     decreased = losses[-1] < losses[0]
     say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({'decreased' if decreased else 'DID NOT DECREASE'})")
     say(
         f"resume: max |loss diff| {diff:.3g} over {len(rest)} steps (tolerance {tol:.3g}): "
-        + ("match" if diff <= tol else "MISMATCH")
+        + ("match" if match else "MISMATCH")
     )
-    return 0 if diff <= tol and decreased and all(math.isfinite(v) for v in losses) else 1
+    return 0 if match and decreased and all(math.isfinite(v) for v in losses) else 1
 
 
 if __name__ == "__main__":

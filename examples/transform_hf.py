@@ -6,7 +6,8 @@ blocks for smptk's MoE, applies tensor parallelism (``--tp``), expert parallelis
 checkpointing and FSDP2 as the config says, and the model trains with its own loss (``labels=``) plus,
 for MoE, smptk's load-balancing loss (``moe_aux_loss``); ``--save`` writes the trained model back in the
 Hugging Face format (``hf_state_dict`` + ``save_pretrained``). Every rank builds the same weights; the tensor-
-and expert-parallel shards are cut from rank 0's.
+and expert-parallel shards are cut from rank 0's. Each data-parallel rank trains on its own rows, and the
+loss printed at each step is the mean over the data-parallel ranks (its own at dp 1).
 
 Run (CPU: gloo and PyTorch kernels; GPUs: NCCL, bf16 parameters with fp32 reduction)::
 
@@ -85,7 +86,8 @@ def main() -> None:
               f"tensor-parallel modules {len(report.tensor_parallel)}, data parallel "
               f"{report.data_parallel.mode} on {report.data_parallel.engine}")  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dp_rank = sp.current().coords["dp"]  # each data-parallel rank draws its own rows
+    state = sp.current()
+    dp, dp_rank = state.sizes["dp"], state.coords["dp"]  # each data-parallel rank draws its own rows
     for step in range(args.steps):
         ids = batch(step, dp_rank).to(device)
         out = model(ids, labels=ids)
@@ -94,8 +96,10 @@ def main() -> None:
         sp.clip_grad_norm_(model.parameters(), max_norm=1.0)  # parameters on tp, dp and ep meshes
         opt.step()
         opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=state.group("dp"))  # the same on every tp rank: count one per dp rank
         if rank == 0:
-            print(f"step {step} loss {loss.item():.4f}")
+            print(f"step {step} loss {mean.item() / dp:.4f}")
     if args.save:
         state = sp.hf_state_dict(model)  # collective: whole tensors, Hugging Face layout, on rank 0
         if rank == 0:
