@@ -474,3 +474,54 @@ def test_one_row_gradients_pass_with_the_derivatives_own_error(activation):
         assert_close(dx, rdx, dtype=torch.float32, name=f"dx seed {seed}", **_kw(s["x"]))
         assert_close(dw, rdw, dtype=torch.float32, name=f"dweight seed {seed}", **_kw(s["weight"]))
         assert_close(db, rdb, dtype=torch.float32, name=f"dbias seed {seed}", **_kw(s["bias"]))
+
+
+def test_a_nan_or_infinite_tolerance_is_refused() -> None:
+    """``err > bound`` is False for a NaN bound, and an infinite one holds anything: both passed any finite
+    result (5.0 for 1.0 with scale NaN). They now fail, naming the tolerance. The error scales square in
+    fp64, so finite inputs past 1.8e19 no longer overflow the scale to inf (1234.0 passed for 2.0)."""
+    expected = torch.tensor([1.0])
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(AssertionError, match=r"tolerance is .* it would accept any value"):
+            assert_close(
+                torch.tensor([5.0]), expected, dtype=torch.float32, reduction_len=1, scale=scale, name="y"
+            )
+    x, w = torch.tensor([[1e20, 1.0]]), torch.tensor([[1e-20, 1.0]])
+    scales = linear_error_scales(x, w)["out"]
+    assert torch.isfinite(scales.scale).all()
+    with pytest.raises(AssertionError, match="outside the tolerance"):
+        assert_close(
+            torch.tensor([[1234.0]]),
+            linear_reference(x, w),
+            dtype=torch.float32,
+            name="y",
+            **scales._asdict(),
+        )
+
+
+def test_references_keep_infinities_as_torch() -> None:
+    """relu(+-inf) and gelu_tanh(+inf) are torch's (inf, 0, inf), not the NaN of inf * 0; relu keeps NaN
+    with derivative 0, as torch.relu."""
+    from smptk.testing.references import gelu_tanh, relu
+
+    z = torch.tensor([float("inf"), -float("inf"), 2.0, -3.0])
+    assert torch.equal(relu(z), torch.relu(z))
+    assert gelu_tanh(z)[0] == float("inf")
+    torch.testing.assert_close(gelu_tanh(z[2:]), F.gelu(z[2:], approximate="tanh"))
+    leaf = torch.tensor([float("nan"), 1.0, -1.0], requires_grad=True)
+    relu(leaf).sum().backward()
+    assert leaf.grad.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_references_refuse_what_they_cannot_compute() -> None:
+    """top_k past E picked expert 0 again (argmax of an empty row), offsets for fewer experts than the
+    weights ignored the rest, a negative capacity factor gave a negative capacity."""
+    from smptk.testing import grouped_linear_reference, moe_route_reference
+    from smptk.testing.moe import moe_capacity_reference
+
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route_reference(torch.randn(1, 3), 5)
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_linear_reference(torch.randn(4, 2), torch.randn(3, 5, 2), [0, 2, 4])
+    with pytest.raises(ValueError, match="capacity_factor"):
+        moe_capacity_reference(-1.0, 4, 2, 3)

@@ -56,7 +56,12 @@ def expert_bounds(offsets: Tensor | Sequence[int], T: int) -> list[tuple[int, in
     return list(itertools.pairwise(offs))
 
 
-def _per_expert(x: Tensor, offsets, fn: Callable[[int, Tensor], Tensor]) -> Tensor:
+def _per_expert(x: Tensor, offsets, fn: Callable[[int, Tensor], Tensor], experts: int) -> Tensor:
+    """``fn(e, x_e)`` for every expert's rows, concatenated; the offsets must name ``experts`` experts."""
+    if len(offsets) != experts + 1:
+        raise ValueError(
+            f"offsets: {len(offsets)} entries for {experts} experts' weights; expected {experts + 1}"
+        )
     return torch.cat([fn(e, x[a:b]) for e, (a, b) in enumerate(expert_bounds(offsets, x.shape[0]))])
 
 
@@ -71,6 +76,7 @@ def grouped_linear_reference(
         x,
         offsets,
         lambda e, xe: linear_reference(xe, weight[e], None if bias is None else bias[e], activation),
+        weight.shape[0],
     )
 
 
@@ -89,7 +95,9 @@ def grouped_swiglu_reference(x: Tensor, weight_gate: Tensor, weight_up: Tensor, 
                 [0.0000, 7.0464],
                 [1.4621, 1.4621]])
     """
-    return _per_expert(x, offsets, lambda e, xe: swiglu_reference(xe, weight_gate[e], weight_up[e]))
+    return _per_expert(
+        x, offsets, lambda e, xe: swiglu_reference(xe, weight_gate[e], weight_up[e]), weight_gate.shape[0]
+    )
 
 
 def _combine(per_expert: list[dict[str, ErrorScale]], row_keys: tuple[str, ...]) -> dict[str, ErrorScale]:
@@ -181,4 +189,5 @@ def grouped_relu_kink_mask(
         x,
         offsets,
         lambda e, xe: relu_kink_mask(xe, weight[e], None if bias is None else bias[e], dtype=dtype),
+        weight.shape[0],
     )

@@ -87,6 +87,8 @@ def moe_route_reference(
     """
     s = logits.to(torch.float32)
     T, E = s.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k: expected 1..E = 1..{E}, got {top_k}")
     if score_func == "softmax":
         score = torch.exp(s - s.max(dim=1, keepdim=True).values)
         score = score / score.sum(dim=1, keepdim=True)
@@ -130,6 +132,8 @@ def moe_capacity_reference(capacity_factor: float | None, T: int, k: int, E: int
     """
     if capacity_factor is None:
         return None
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor: expected None or a number > 0, got {capacity_factor!r}")
     value = capacity_factor if isinstance(capacity_factor, int) else float(capacity_factor)
     with decimal.localcontext(prec=60):
         return math.ceil(decimal.Decimal(str(value)) * T * k / E)

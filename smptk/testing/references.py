@@ -52,12 +52,13 @@ def identity(z: Tensor) -> Tensor:
 
 
 def relu(z: Tensor) -> Tensor:
-    """``max(z, 0)``; its derivative at exactly 0 is taken as 0 (torch's convention); NaN stays NaN.
+    """``max(z, 0)``; its derivative at exactly 0 is taken as 0 (torch's convention); NaN stays NaN (with
+    derivative 0, as torch.relu's), inf stays inf.
 
-    >>> relu(torch.tensor([-1.0, 0.0, 2.0, float("nan")]))
-    tensor([0., 0., 2., nan])
+    >>> relu(torch.tensor([-1.0, 0.0, 2.0, float("nan"), float("inf"), -float("inf")]))
+    tensor([0., 0., 2., nan, inf, 0.])
     """
-    return torch.where(z > 0, z, torch.zeros_like(z)) + z * 0  # + z * 0: NaN stays NaN (derivative 0)
+    return torch.where(z.isnan(), z.detach(), torch.where(z > 0, z, torch.zeros_like(z)))
 
 
 def gelu(z: Tensor) -> Tensor:
@@ -79,12 +80,14 @@ def gelu_tanh(z: Tensor) -> Tensor:
     sqrt(2/pi) * (z + 0.044715 * z**3)``: the same function, whose derivatives keep their relative accuracy
     on both sides (written with ``1 + tanh``, the derivative was 30% off at z = -5 and 0 below -5.5).
 
-    >>> gelu_tanh(torch.tensor([-1.0, 0.0, 1.0]))
-    tensor([-0.1588,  0.0000,  0.8412])
+    >>> gelu_tanh(torch.tensor([-1.0, 0.0, 1.0, float("inf")]))
+    tensor([-0.1588,  0.0000,  0.8412,     inf])
     """
     v = 2.0 * _SQRT_2_OVER_PI * (z + _GELU_TANH_CUBIC * z * z * z)
-    # sigmoid's derivative s * (1 - s) cancels where s is near 1: each side takes the form whose s is small
-    return torch.where(z < 0, z * torch.sigmoid(v), z - z * torch.sigmoid(-v))
+    # sigmoid's derivative s * (1 - s) cancels where s is near 1: each side takes the form whose s is small;
+    # +inf is itself (as torch's), not inf - inf * 0
+    out = torch.where(z < 0, z * torch.sigmoid(v), z - z * torch.sigmoid(-v))
+    return torch.where(z == float("inf"), z, out)
 
 
 def silu(z: Tensor) -> Tensor:
