@@ -312,6 +312,25 @@ def test_autocast(monkeypatch, device, path, dtype):
         assert_close(grad.to(dtype), ref_grad, dtype=dtype, name=f"d{name}", **scales[name]._asdict())
 
 
+def test_autocast_leaves_float64_alone():
+    """Autocast casts fp32 / fp16 / bf16 for a linear op and never float64, so F.linear refuses an fp64
+    weight or bias beside an autocast input; fused_linear and swiglu cast it to the autocast dtype and
+    computed. They refuse it now, naming it."""
+    from smptk.kernels import swiglu
+
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.linear(x, w.double())  # torch's behaviour, for reference
+        with pytest.raises(TypeError, match="weight"):
+            fused_linear(x, w.double())
+        with pytest.raises(TypeError, match="bias"):
+            fused_linear(x, w, b.double())
+        with pytest.raises(TypeError, match="weight_gate"):
+            swiglu(x, w.double(), w)
+        assert fused_linear(x, w, b).dtype == torch.bfloat16
+
+
 # --- int64 indexing: x with more than 2**31 elements -------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from comm_harness import JobResult, run_ranks
 from torch import nn
 from tp_jobs import CASES
 
+from smptk.kernels import runtime
 from smptk.parallel import shard_init, tp_styles
 from smptk.parallel import tensor_parallel as tp
 
@@ -129,3 +130,55 @@ def test_a_layer_of_a_destroyed_process_group_refuses_to_run() -> None:
             _ = layer.group
         fresh = tp.ColumnParallelLinear(8, 8, mesh=sp.current().submesh("tp"))
         assert fresh.group is not None
+
+
+def test_sequence_parallel_column_under_autocast_keeps_its_block(monkeypatch) -> None:
+    """Under autocast with an fp32 input, the sequence-parallel column layer gathered the fp32 input and
+    the GEMM's cast of the gathered tensor made a new one that saved_as_shard does not know: backward kept
+    the whole gathered bf16 input (2x this rank's fp32 block at tp 4), not the block the README promises.
+    The input is cast first, so the all-gather moves bf16 and backward keeps the bf16 block; and
+    last_kernel_path names the GEMM's path (bf16 under the interpreter: torch), not the fp32 input's."""
+    from helpers import fake_world
+
+    import smptk.parallel as sp
+    from smptk.comm import collectives
+
+    monkeypatch.setattr(collectives, "_heap", lambda group, tensor: None)  # torch's (fake) collectives
+    with fake_world(2):
+        sp.init({"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+        layer = tp.ColumnParallelLinear(16, 8, sequence_parallel=True)  # sequence_dim 1
+        x = torch.randn(2, 4, 16, requires_grad=True)  # this rank's block of a [2, 8, 16] input
+        saved = []
+
+        def pack(t):
+            saved.append((tuple(t.shape), t.dtype))
+            return t
+
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 8, 4)
+        assert (tuple(x.shape), torch.bfloat16) in saved, saved
+        assert all(math.prod(shape) <= x.numel() for shape, _ in saved), saved
+        if runtime.interpreter_enabled():
+            assert layer.last_kernel_path == "torch"
+
+
+def test_sequence_parallel_column_runs_under_inference_mode(monkeypatch) -> None:
+    """Evaluating a sequence-parallel model under torch.inference_mode raised "Inference tensors do not
+    track version counter": the column layer's saved_as_shard read the gathered input's version though
+    autograd saves nothing there. It steps aside where nothing is saved (no_grad too)."""
+    from helpers import fake_world
+
+    import smptk.parallel as sp
+    from smptk.comm import collectives
+
+    monkeypatch.setattr(collectives, "_heap", lambda group, tensor: None)  # torch's (fake) collectives
+    with fake_world(2):
+        sp.init({"tensor_parallel_degree": 2, "mixed_precision": "fp32"})
+        layer = tp.ColumnParallelLinear(16, 8, sequence_parallel=True, gather_output=True)
+        for mode in (torch.inference_mode, torch.no_grad):
+            with mode():
+                assert layer(torch.randn(2, 4, 16)).shape == (2, 8, 8)

@@ -582,9 +582,12 @@ def _innermost_saved_tensor_hooks() -> tuple | None:
 
 
 def _shard_saving_applies() -> bool:
-    """Whether :func:`saved_as_shard` acts here: not inside torch's checkpoint (whose own hooks are
+    """Whether :func:`saved_as_shard` acts here: not where autograd saves nothing (no_grad, inference_mode,
+    whose tensors have no version counter to read), not inside torch's checkpoint (whose own hooks are
     innermost: a checkpointed region keeps only its inputs, or what the selective policy names, and
     recomputes the gather), and only where this torch has the hook query it needs."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return False
     if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
         return False
     hooks = _innermost_saved_tensor_hooks()

@@ -48,6 +48,10 @@ def check_activation(activation: object) -> None:
         raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
 
 
+# The dtypes autocast casts for a linear op (torch's fp32 / fp16 / bf16 "lower precision" list).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """Cast floating inputs to the autocast dtype when autocast is on for their device, as F.linear would.
 
@@ -60,4 +64,7 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+    # float64 is left as it is, as autocast leaves it (F.linear then refuses the mix; so does the op's check)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CASTS else t for t in tensors
+    )

@@ -457,6 +457,11 @@ class ColumnParallelLinear(_TensorParallelLayer):
                 f"x: expected [..., {self.in_features}] (in_features), got shape {tuple(x.shape)}"
             )
         weights = [_local_param(self, n) for n in self._weights]
+        # In the dtype the GEMM reads under autocast, before any gather: the all-gather moves the compute
+        # dtype, backward keeps this rank's block (the GEMM's own cast of the gathered x made a new tensor
+        # that saved_as_shard does not know, so the whole gathered input was saved), last_kernel_path is
+        # the GEMM's
+        (x,) = autocast_inputs(x)
         keep = contextlib.nullcontext()
         if self.sequence_parallel:
             d = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
@@ -633,6 +638,7 @@ class RowParallelLinear(_TensorParallelLayer):
                     f"got shape {tuple(x.shape)}"
                 )
             x = cf.copy_to_group(x, self.group).narrow(-1, self.tp_rank * self.in_local, self.in_local)
+        (x,) = autocast_inputs(x)  # the dtype the GEMM computes in: last_kernel_path is the GEMM's
         w = _local_param(self, "weight")
         self.last_kernel_path = runtime.select_path(x, w)
         if self.sequence_parallel:
