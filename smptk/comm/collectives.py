@@ -433,7 +433,10 @@ def _heap(group: dist.ProcessGroup, tensor: torch.Tensor) -> SymmetricHeap | Non
     return per_group[backend]
 
 
-_arrivals: dict[str, int] = {}  # group name -> heap builds started on it (the same count on every rank)
+# Group name -> heap builds started on it (the same count on every rank). Kept after the group is destroyed:
+# torch reuses a destroyed group's name, and the store still holds the old builds' keys, so a new group of
+# that name must count on from them (one int per name).
+_arrivals: dict[str, int] = {}
 
 
 def _all_arrive(group: dist.ProcessGroup, timeout_s: float) -> None:

@@ -271,7 +271,10 @@ class MoE(nn.Module):
     ``[T, E]`` fp32, differentiable: for a load-balancing loss pooled over layers, padding left out).
     The buffer ``tokens_per_expert`` [E] accumulates routed pairs per expert until
     :meth:`update_expert_bias`.
-    A checkpoint recompute changes none of these (see the module docstring).
+    A checkpoint recompute changes none of these (see the module docstring). ``aux_loss``,
+    ``last_routing`` and ``last_plan`` hold the latest forward's autograd graph until the next forward: a
+    forward never followed by backward (an exception mid-step) keeps one forward's activations alive that
+    long; set them to None to free it at once.
 
     On the ``meta`` device (delayed initialization) forward and backward propagate shapes; with a
     capacity the grouped buffer takes its bound ``min(T * k, E * C)`` rows (see :func:`moe_dispatch`).
