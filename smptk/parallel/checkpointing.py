@@ -349,6 +349,7 @@ class ActivationOffloader:
         class docstring), naming it ``index`` in the log: a forward pre-hook ahead of every other enters
         the saved-tensor hooks, a forward hook after them leaves."""
         state: list = [None]  # (hooks, entry, seen, elsewhere) of the unit forward in progress
+        unpack = torch.compiler.disable(self._unpack)  # one wrapper for every forward (see below)
 
         def enter(module, args, kwargs):
             # not in backward: a checkpoint's recompute runs the forward again, and must keep its own hooks
@@ -360,7 +361,7 @@ class ActivationOffloader:
                 seen: list = []
                 hooks = torch.autograd.graph.saved_tensors_hooks(
                     torch.compiler.disable(functools.partial(self._pack, index, entry, seen)),
-                    torch.compiler.disable(self._unpack),
+                    unpack,
                 )
                 nested = [v for a in args if not isinstance(a, torch.Tensor) for v in _tensors_in(a)]
                 elsewhere = bool(nested) or any(_tensors_in(v) for v in kwargs.values())
