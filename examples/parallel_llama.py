@@ -256,7 +256,7 @@ def scaler_extra(scaler: ShardedGradScaler, path: str | None = None) -> dict | N
     none (saved by a bf16 / fp32 run: the scaler starts from its initial scale)."""
     if not scaler.is_enabled():
         return None
-    if path is not None and not any(k.startswith(f"{EXTRA_KEY}.grad_scaler.") for k in checkpoint_keys(path)):
+    if path is not None and f"{EXTRA_KEY}.grad_scaler" not in checkpoint_keys(path):
         say(f"{path} holds no loss scale (saved without fp16): the scaler starts from its initial scale")
         return None
     return {"grad_scaler": scaler}

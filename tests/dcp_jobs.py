@@ -252,6 +252,65 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
         except ValueError as e:
             out["problems"][label] = [f"{e} lacks {w!r}" for w in words if w not in str(e)]
 
+    # 9. Optimizer state from get_full_state_dict, loaded by name on every rank: an unstepped optimizer's
+    # groups given in another order keep their own lr (torch matched them by position, and rank 0 alone
+    # raised where the groups' sizes differed), and a parameter without saved state loads without state
+    # (torch made some up: Adam's step count 1; and its strict check failed on rank 0 only).
+    def grouped(order: str) -> torch.optim.Optimizer:
+        parts = {"e": [], "r": []}
+        for n, p in model.named_parameters():
+            parts["e" if n.startswith(("embed", "head")) else "r"].append(p)
+        settings = {"e": {"lr": 0.1}, "r": {"lr": 1e-3, "weight_decay": 0.5}}
+        return torch.optim.AdamW([{"params": parts[k], **settings[k]} for k in order])
+
+    unstepped = get_full_state_dict(model, grouped("er"))["optim"]
+    swapped = grouped("re")
+    load_full_state_dict(
+        model, saved_b["model"] if rank == 0 else None, swapped, unstepped if rank == 0 else None
+    )
+    got = [(g["lr"], g["weight_decay"]) for g in swapped.param_groups]
+    out["problems"]["unstepped groups by name"] = [
+        f"{problem}" for problem in ([f"groups {got}"] if got != [(1e-3, 0.5), (0.1, 0.01)] else [])
+    ] + ([f"{len(swapped.state)} parameters with made-up state"] if swapped.state else [])
+    gone = ("blocks.1.up.weight", "blocks.1.up.bias")
+    partial = {
+        **saved_b["optim"],
+        "state": {k: v for k, v in saved_b["optim"]["state"].items() if k not in gone},
+    }
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    load_full_state_dict(model, saved_b["model"] if rank == 0 else None, opt, partial if rank == 0 else None)
+    problems = differences(full_state(model, opt)["optim"], partial)
+    out["problems"]["a parameter without state, broadcast"] = problems
+
+    # 10. Groups that do not hold the saved groups' parameters: every rank raises, before any broadcast.
+    try:
+        load_full_state_dict(
+            model,
+            saved_b["model"] if rank == 0 else None,
+            grouped("er"),
+            saved_b["optim"] if rank == 0 else None,
+        )
+        out["problems"]["regrouped, broadcast"] = ["no error"]
+    except ValueError as e:
+        out["problems"]["regrouped, broadcast"] = [] if "split over" in str(e) else [str(e)]
+
+    # 11. ``extra`` differing per rank: rank 0's is written (DCP used to keep another rank's).
+    class Position:
+        def __init__(self, value):
+            self.value = value
+
+        def state_dict(self):
+            return {"pos": self.value, "t": torch.full((2,), float(self.value))}
+
+        def load_state_dict(self, state):
+            self.value = (state["pos"], state["t"].tolist())
+
+    path = os.path.join(ckpt_dir, "extra")
+    save_checkpoint(path, model, extra={"data": Position(100 + rank)})
+    back = Position(None)
+    load_checkpoint(path, model, extra={"data": back})
+    out["problems"]["extra from rank 0"] = [] if back.value == (100, [100.0, 100.0]) else [str(back.value)]
+
     sp.reset()
     if rank == 0:
         out["saved"] = {"tp2_dp2": saved_a, "hsdp": saved_b}

@@ -275,7 +275,7 @@ def test_parallel_llama_fp16_scales_the_loss_and_checkpoints_the_scaler(tmp_path
     assert "mixed_precision fp16 (loss scaled by ShardedGradScaler)," in proc.stdout, proc.stdout
     assert "): match" in proc.stdout, proc.stdout
     keys = checkpoint_keys(tmp_path / "step1")
-    assert {"extra.grad_scaler.scale", "extra.grad_scaler._growth_tracker"} <= set(keys), keys
+    assert "extra.grad_scaler" in keys, keys  # the scaler's whole state, one value
 
 
 def test_transform_hf_trains_mixtral_with_expert_parallelism(tmp_path):

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import warnings
 from collections.abc import Mapping
@@ -123,18 +124,28 @@ def _state_dicts(
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model, options=options)}
     fresh = not optimizer.state
-    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    for p, _ in grads:
-        p.grad = None
-    try:
+    with _grads_set_aside(optimizer):
         msd, osd = get_state_dict(model, optimizer, options=options)
-    finally:
-        for p, grad in grads:
-            p.grad = grad
     if fresh and not template:
         osd = {**osd, "state": {}}
         optimizer.state.clear()
     return {MODEL_KEY: msd, OPTIM_KEY: osd}
+
+
+@contextlib.contextmanager
+def _grads_set_aside(optimizer: torch.optim.Optimizer):
+    """The optimizer's parameters without ``.grad`` inside the block, and with them again after it: torch
+    makes an optimizer's state (which its loads and state dicts work from) only while no parameter holds
+    a gradient, and without it ``set_optimizer_state_dict(full_state_dict=True)`` fails ('Expected device
+    to be set')."""
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in grads:
+            p.grad = grad
 
 
 def _check_materialized(model: nn.Module) -> None:
@@ -197,8 +208,9 @@ def save_checkpoint(
         optimizer: its optimizer (any torch optimizer; its state is saved by parameter name), or None.
         step: the training step, returned by :func:`load_checkpoint`; None saves none.
         extra: more state to resume, ``{name: object with state_dict() / load_state_dict()}`` (an LR
-            scheduler, a data loader's position), the same on every rank (rank 0's is written); pass the
-            same names to :func:`load_checkpoint`.
+            scheduler, a data loader's position), the same on every rank: rank 0's is written, whole (each
+            object's state as one ``torch.save`` value, so a load gets exactly what was saved, keys the new
+            object lacks included); pass the same names to :func:`load_checkpoint`.
 
     Not saved unless passed in ``extra``: the LR scheduler, the data position, RNG states (per rank), and
     the token counts an :class:`smptk.parallel.MoE` gathered since its last ``update_expert_bias`` (a
@@ -231,11 +243,24 @@ def save_checkpoint(
     state = _state_dicts(model, optimizer)
     if step is not None:
         state[STEP_KEY] = step
-    if extra:
-        state[EXTRA_KEY] = {name: obj.state_dict() for name, obj in extra.items()}
+    if extra and (not _distributed() or dist.get_rank() == 0):
+        # One value per name, torch.save's bytes of the whole state: DCP would drop an empty dict, and a
+        # load would read only the keys the new object's state_dict has (a dict grown in training, a
+        # data loader's per-source positions, would come back empty). Rank 0's alone is written.
+        state[EXTRA_KEY] = {name: _to_bytes(obj.state_dict()) for name, obj in extra.items()}
     Path(path).mkdir(parents=True, exist_ok=True)
     with _single_process_intended(), _checkpoint_errors(f"saving the checkpoint at {path!r}"):
         _dcp().save(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _check_extra(extra: object) -> None:
@@ -321,17 +346,20 @@ def load_checkpoint(
     reads the slices its own parameters and optimizer state hold under the current config, from
     whatever pieces the saving config wrote. The optimizer may be new (no state yet) or not, and the
     parameters may hold gradients; the model must have memory (after ``materialize``, not on meta).
-    Mismatches (shapes, an optimizer of another class, another number of parameter groups) raise
-    naming the keys; DCP's own errors come as RuntimeError.
+    Mismatches (shapes, an optimizer of another class, parameter groups that do not hold the saved
+    groups' parameters) raise naming the keys, before anything is copied (a refused load leaves the model
+    and a new optimizer as they were); DCP's own errors come as RuntimeError.
 
     Args:
         path: the checkpoint directory.
         model: the model, prepared for this run (tensor parallelism, FSDP2 or DDP) and with the same
             parameter names as the saved one.
         optimizer: its optimizer (same class and parameter groups as the saved one; groups are matched
-            by their parameters' names), or None to load the model only.
+            by their parameters' names, not their order), or None to load the model only.
         strict: every parameter of ``model`` must be in the checkpoint (and nothing else in
-            the model part of it); False loads what matches.
+            the model part of it), and each parameter group must hold the parameters of one saved group;
+            False loads what matches and warns naming what it did not (a group holding only parameters the
+            checkpoint lacks keeps its settings). Either way the model part must match something.
         extra: ``{name: object}`` saved with ``save_checkpoint(..., extra=...)``: each object's
             ``load_state_dict`` gets its saved state (KeyError when the checkpoint has no such name).
 
@@ -340,63 +368,115 @@ def load_checkpoint(
     """
     path = _check_path(path)
     _check_model_optimizer(model, optimizer)
+
+    keys = checkpoint_keys(path)
+    _check_materialized(model)
+    _check_extra(extra)
+    absent = [n for n in extra or {} if not _extra_format(keys, n)]
+    if absent:
+        raise KeyError(
+            f"extra: the checkpoint at {path!r} holds no state named {absent} (saved with extra=...)"
+        )
+    saved_model = {k[len(MODEL_KEY) + 1 :] for k in keys if k.startswith(MODEL_KEY + ".")}
+    if not saved_model and (
+        next(model.parameters(), None) is not None or next(model.buffers(), None) is not None
+    ):
+        raise KeyError(
+            f"the checkpoint at {path!r} holds no model state (its keys: {sorted(keys)[:4]}"
+            f"{' ...' if len(keys) > 4 else ''}); save_checkpoint writes the model under 'model.' (a plain "
+            "dcp.save of model.state_dict() loads with torch.distributed.checkpoint.load)"
+        )
+    saved_state = any(k.startswith(f"{OPTIM_KEY}.state.") for k in keys)
+    saved_groups = sorted({int(k.split(".")[2]) for k in keys if k.startswith(f"{OPTIM_KEY}.param_groups.")})
+    if optimizer is not None:
+        if not saved_groups:
+            raise ValueError(
+                f"optimizer: the checkpoint at {path!r} holds no optimizer state (it was saved with "
+                "optimizer=None); pass optimizer=None to load the model only"
+            )
+        if strict and len(saved_groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"optimizer: the checkpoint at {path!r} holds {len(saved_groups)} parameter groups, the "
+                f"optimizer has {len(optimizer.param_groups)} (strict=False loads the groups that hold the "
+                "same parameters as saved ones)"
+            )
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        return _load(path, keys, model, optimizer, strict, extra, saved_model, saved_state, saved_groups)
+    except BaseException:
+        if fresh:  # the template's made-up state (a step at lr 0) must not outlive a failed load
+            optimizer.state.clear()
+        raise
+
+
+def _extra_format(keys: list[str], name: str) -> str | None:
+    """How ``extra[name]`` was saved: "bytes" (one value), "flat" (DCP's keys, older checkpoints), None."""
+    if f"{EXTRA_KEY}.{name}" in keys:
+        return "bytes"
+    return "flat" if any(k.startswith(f"{EXTRA_KEY}.{name}.") for k in keys) else None
+
+
+def _load(
+    path: str,
+    keys: list[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+    extra: Mapping[str, Any] | None,
+    saved_model: set[str],
+    saved_state: bool,
+    saved_groups: list[int],
+) -> int | None:
+    """:func:`load_checkpoint` once its arguments and the checkpoint's keys are checked."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    keys = checkpoint_keys(path)
-    _check_materialized(model)
-    _check_extra(extra)
-    absent = [n for n in extra or {} if not any(k.startswith(f"{EXTRA_KEY}.{n}.") for k in keys)]
-    if absent:
-        raise KeyError(
-            f"extra: the checkpoint at {path!r} holds no state named {absent} (saved with extra=...)"
-        )
-    saved_state = any(k.startswith(f"{OPTIM_KEY}.state.") for k in keys)
-    if optimizer is not None:
-        if not any(k.startswith(OPTIM_KEY + ".") for k in keys):
-            raise ValueError(
-                f"optimizer: the checkpoint at {path!r} holds no optimizer state (it was saved with "
-                "optimizer=None); pass optimizer=None to load the model only"
-            )
-        groups = {k.split(".")[2] for k in keys if k.startswith(f"{OPTIM_KEY}.param_groups.")}
-        if len(groups) != len(optimizer.param_groups):
-            raise ValueError(
-                f"optimizer: the checkpoint at {path!r} holds {len(groups)} parameter groups, the optimizer "
-                f"has {len(optimizer.param_groups)} (each group's settings, e.g. its lr, would go to other "
-                "parameters)"
-            )
     state = _state_dicts(model, optimizer, template=True)
-    if optimizer is not None and not saved_state:  # saved before its first step: load it without state
-        state[OPTIM_KEY] = {**state[OPTIM_KEY], "state": {}}
+    current_groups: list[dict] = []
     stateless: list[str] = []
+    if optimizer is not None:
+        current_groups = [{**g, "params": list(g["params"])} for g in state[OPTIM_KEY]["param_groups"]]
+        # The checkpoint's groups are read as saved (how many there are, which parameters each holds) and
+        # matched to the optimizer's by those names below, not by position.
+        fields = {
+            i: {k.split(".", 3)[3] for k in keys if k.startswith(f"{OPTIM_KEY}.param_groups.{i}.")}
+            for i in saved_groups
+        }
+        groups = {OPTIM_KEY: {"param_groups": [dict.fromkeys(fields[i]) for i in saved_groups]}}
+        with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
+            _dcp().load(groups, checkpoint_id=path, no_dist=not _distributed())
+        # Checked before the load (DCP copies into the model's own tensors): a refused load leaves the
+        # model and optimizer as they were.
+        regrouped = _regroup(groups[OPTIM_KEY]["param_groups"], current_groups, strict)
+        state[OPTIM_KEY] = {"state": state[OPTIM_KEY]["state"] if saved_state else {}}
     if optimizer is not None and saved_state:
         # A parameter that had no gradient before the save (an unused branch) has no state there; the
         # template made some for it (a step at lr 0): load it without state, as it was saved.
         with_state = _names_with_state(keys)
         stateless = [n for n in state[OPTIM_KEY]["state"] if n not in with_state]
-        state[OPTIM_KEY] = {
-            **state[OPTIM_KEY],
-            "state": {n: v for n, v in state[OPTIM_KEY]["state"].items() if n not in stateless},
-        }
-    if strict:
-        saved = {k[len(MODEL_KEY) + 1 :] for k in keys if k.startswith(MODEL_KEY + ".")}
-        missing, unexpected = _matching_keys(saved, state[MODEL_KEY])
-        if missing or unexpected:
-            raise KeyError(
-                f"the checkpoint at {path!r} does not match the model's parameter names: "
-                f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-                f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} (strict=False loads "
-                "what matches)"
-            )
+        state[OPTIM_KEY]["state"] = {n: v for n, v in state[OPTIM_KEY]["state"].items() if n not in stateless}
+    missing, unexpected = _matching_keys(saved_model, state[MODEL_KEY])
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"the checkpoint at {path!r} does not match the model's parameter names: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} (strict=False loads "
+            "what matches)"
+        )
     if STEP_KEY in keys:
         state[STEP_KEY] = 0
+    formats = {name: _extra_format(keys, name) for name in extra or {}}
     if extra:
-        state[EXTRA_KEY] = {name: obj.state_dict() for name, obj in extra.items()}
+        state[EXTRA_KEY] = {
+            name: b"" if formats[name] == "bytes" else obj.state_dict() for name, obj in extra.items()
+        }
     with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
         _dcp().load(state, checkpoint_id=path, no_dist=not _distributed(), planner=_planner(strict))
+    if optimizer is not None:
+        state[OPTIM_KEY]["param_groups"] = regrouped
     set_model_state_dict(model, state[MODEL_KEY], options=StateDictOptions(strict=strict))
     if optimizer is not None:
         # torch's strict check asks for state of every parameter that requires a gradient
@@ -407,7 +487,16 @@ def load_checkpoint(
     if optimizer is not None and not saved_state:
         optimizer.state.clear()  # as a new optimizer: its first step makes the state
     for name, obj in (extra or {}).items():
-        obj.load_state_dict(state[EXTRA_KEY][name])
+        saved = state[EXTRA_KEY][name]
+        obj.load_state_dict(_from_bytes(saved) if formats[name] == "bytes" else saved)
+    if not strict and (missing or unexpected):
+        warnings.warn(
+            f"load_checkpoint(strict=False) from {path!r}: {len(missing)} of the model's entries were not in "
+            f"the checkpoint and kept their values {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+            f"{len(unexpected)} of the checkpoint's were not loaded "
+            f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}",
+            stacklevel=3,
+        )
     return state.get(STEP_KEY)
 
 
@@ -419,6 +508,56 @@ def _names_with_state(keys: list[str]) -> set[str]:
         if k.startswith(prefix):
             parts = k[len(prefix) :].split(".")
             out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def _some(names: list[str]) -> str:
+    return f"{names[:8]}{f' (and {len(names) - 8} more)' if len(names) > 8 else ''}"
+
+
+def _regroup(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], strict: bool) -> list[dict]:
+    """The saved parameter groups matched to the optimizer's by the parameters they hold, in the optimizer's
+    order: group j gets the settings (lr, ...) of the saved group holding its parameters, and its own
+    parameter names. Torch matches an unstepped optimizer's groups by position (a swapped order swapped
+    the lrs), and a stepped one's by the last group sharing a parameter (groups split differently left
+    one without any setting). A saved group split over two of the optimizer's, or two merged, is refused;
+    with ``strict`` every group must hold exactly the saved one's parameters. Under ``strict=False`` a
+    group holding only parameters the checkpoint lacks keeps its own settings."""
+    home = {n: i for i, g in enumerate(saved) for n in g["params"]}
+    now = {n for g in current for n in g["params"]}
+    empty = [i for i, g in enumerate(saved) if not g["params"]]
+    out, taken = [], {}
+    for j, group in enumerate(current):
+        names = list(group["params"])
+        homes = sorted({home[n] for n in names if n in home}) if names else empty[:1]
+        if len(homes) > 1:
+            raise ValueError(
+                f"optimizer: its parameter group {j} holds parameters of the checkpoint's groups {homes} "
+                f"({_some(names)}); make the groups hold the parameters they held when saved"
+            )
+        if not homes:
+            if strict:
+                raise ValueError(
+                    f"optimizer: its parameter group {j} ({_some(names)}) matches none of the checkpoint's "
+                    "groups (strict=False keeps that group's own settings)"
+                )
+            out.append({**group, "params": names})
+            continue
+        i = homes[0]
+        elsewhere = [n for n in saved[i]["params"] if n in now and n not in names]
+        if i in taken or elsewhere:
+            raise ValueError(
+                f"optimizer: the checkpoint's parameter group {i} ({_some(list(saved[i]['params']))}) is "
+                "split over several of the optimizer's groups; make the groups hold the parameters they "
+                "held when saved"
+            )
+        if strict and set(saved[i]["params"]) != set(names):
+            raise ValueError(
+                f"optimizer: its parameter group {j} holds {_some(names)}, the checkpoint's group {i} "
+                f"{_some(list(saved[i]['params']))} (strict=False loads what matches)"
+            )
+        taken[i] = j
+        out.append({**{k: v for k, v in saved[i].items() if k != "params"}, "params": names})
     return out
 
 
@@ -461,7 +600,10 @@ def load_full_state_dict(
         optimizer: the model's optimizer, or None.
         optimizer_state: on rank 0 the full optimizer state dict (``get_full_state_dict(...)["optim"]``),
             required when ``optimizer`` is given; None elsewhere.
-        strict: every parameter must be in ``model_state``.
+        strict: every parameter must be in ``model_state``, and each parameter group must hold the
+            parameters of one group of ``optimizer_state`` (groups are matched by their parameters'
+            names, as :func:`load_checkpoint` matches them). A parameter without state there (no gradient
+            before the save; all of them for an optimizer that had not stepped) loads without state.
 
     Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -503,10 +645,18 @@ def load_full_state_dict(
 
     # Rank 0 checks what it was given against the model (global shapes: DTensors carry them, no gathering)
     # and broadcasts its verdict, so every rank raises (torch raises on rank 0 only for an unexpected key,
-    # and fails on a shape mismatch without a name).
-    verdict: list[str | None] = [None]
+    # and fails on a shape mismatch without a name), with the names of the parameters that have state.
+    current = _state_dicts(model, optimizer)[OPTIM_KEY]["param_groups"] if optimizer is not None else []
+    verdict: list[Any] = [None, None]
+    groups: list[dict] = []
     if rank0:
         verdict[0] = _full_state_problem(model, model_state, optimizer_state if optimizer else None, strict)
+        if verdict[0] is None and optimizer is not None:
+            try:  # matched by the parameters they hold, as load_checkpoint's
+                groups = _regroup(optimizer_state["param_groups"], current, strict)
+            except ValueError as e:
+                verdict[0] = str(e)
+            verdict[1] = sorted(optimizer_state["state"])
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ValueError(verdict[0])
@@ -519,9 +669,27 @@ def load_full_state_dict(
         # Torch keeps rank 0's 0-d tensors (Adam's "step") as the optimizer's own: the caller's dict would
         # count up with training. Copies of those (a few bytes each) leave it as it was.
         given = (
-            _map_tensors(dict(optimizer_state), lambda t: t.clone() if t.dim() == 0 else t) if rank0 else {}
+            _map_tensors(
+                {**optimizer_state, "param_groups": groups}, lambda t: t.clone() if t.dim() == 0 else t
+            )
+            if rank0
+            else {}
         )
-        set_optimizer_state_dict(model, optimizer, given, options=options)
+        # A parameter without saved state (no gradient before the save; every one for an optimizer that had
+        # not stepped) loads without state, as load_checkpoint's: torch makes some (a step at lr 0: Adam's
+        # count 1, moments wd * p) and keeps it for what rank 0's dict lacks, and its strict check refuses.
+        with_state = set(verdict[1])
+        stateless = [
+            p
+            for group, saved in zip(optimizer.param_groups, current, strict=True)
+            for p, name in zip(group["params"], saved["params"], strict=True)
+            if name not in with_state
+        ]
+        optim_options = dataclasses.replace(options, strict=strict and not stateless)
+        with _grads_set_aside(optimizer):
+            set_optimizer_state_dict(model, optimizer, given, options=optim_options)
+        for p in stateless:
+            optimizer.state.pop(p, None)
 
 
 def _full_state_problem(
@@ -529,9 +697,6 @@ def _full_state_problem(
 ) -> str | None:
     """What is wrong with rank 0's full state dicts for ``model``, or None."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    def some(names: list[str]) -> str:
-        return f"{names[:8]}{f' (and {len(names) - 8} more)' if len(names) > 8 else ''}"
 
     wanted = get_model_state_dict(model)
     shapes = {k: tuple(v.shape) for k, v in wanted.items() if torch.is_tensor(v)}
@@ -548,8 +713,8 @@ def _full_state_problem(
         unexpected = sorted(set(model_state) - set(wanted))
         if missing or unexpected:
             return (
-                f"model_state does not match the model's names (strict): missing {some(missing)}, "
-                f"unexpected {some(unexpected)}"
+                f"model_state does not match the model's names (strict): missing {_some(missing)}, "
+                f"unexpected {_some(unexpected)}"
             )
     if optimizer_state is not None:
         per_param = optimizer_state.get("state")
@@ -557,11 +722,18 @@ def _full_state_problem(
             return (
                 "optimizer_state: expected {'state': ..., 'param_groups': ...}, get_full_state_dict's 'optim'"
             )
+        groups = optimizer_state["param_groups"]
+        if not isinstance(groups, list) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+        ):
+            return "optimizer_state: 'param_groups' must be a list of dicts with 'params' lists"
         foreign = [k for k in per_param if not isinstance(k, str) or k not in wanted]
+        foreign += [n for g in groups for n in g["params"] if not isinstance(n, str)]
         if foreign:
             position = any(isinstance(k, int) for k in foreign)
             return (
-                f"optimizer_state: its state is keyed by {some(foreign)}, not by this model's parameter names"
+                f"optimizer_state: its state is keyed by {_some(foreign)}, not by this model's parameter "
+                "names"
                 + (
                     " (torch's optimizer.state_dict() keys by position; pass get_full_state_dict(model, "
                     "optimizer)['optim'], keyed by name)"
@@ -590,7 +762,7 @@ def get_full_state_dict(
     live model or optimizer (collective).
 
     With ``rank0_only`` (default) only rank 0 gets the tensors, on CPU, and the others the same keys
-    without tensors (``{"model": {}, "optim": {"state": {}}}``), so one host's memory holds one copy
+    without tensors (``{"model": {}, "optim": {}}``), so one host's memory holds one copy
     (what :func:`load_full_state_dict` takes back); False gives them to every rank (the tensors then stay
     on the parameters' device).
 
