@@ -101,6 +101,45 @@ def fsdp2_copy_engine(rank: int, world: int) -> dict[str, float]:
 ENGINES = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2_copy_engine": fsdp2_copy_engine}
 
 
+def edges(rank: int, world: int) -> dict[str, float]:
+    """What the adapters meet beyond dense fp32 buckets:
+
+    - ``sparse``: DDP over ``nn.Embedding(sparse=True)``: the hook used to refuse the sparse bucket ("must
+      be contiguous"); it goes to torch's hook, and the parameters match plain DDP's;
+    - ``fp16_avg`` / ``fp16_avg_rs``: the fallback's average of fp16 values of 40000 (gloo has no AVG: a
+      sum, then a division) used to overflow to inf in the sum; the result must be 40000.
+    """
+    from smptk.comm import collectives
+    from smptk.comm.adapters import SmptkHookState, ddp_comm_hook
+
+    def embedding() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 4, sparse=True)
+
+    baseline = torch.nn.parallel.DistributedDataParallel(embedding())
+    hooked = torch.nn.parallel.DistributedDataParallel(embedding())
+    hooked.register_comm_hook(SmptkHookState(), ddp_comm_hook)
+    for model in (baseline, hooked):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            ids = torch.tensor([rank, step, (rank + step) % 10])
+            opt.zero_grad()
+            model(ids).square().sum().backward()
+            opt.step()
+    sparse = (baseline.module.weight - hooked.module.weight).abs().max().item()
+    big = torch.full((4,), 40000.0, dtype=torch.float16)
+    collectives._torch_all_reduce(big, "avg", torch.distributed.group.WORLD)
+    out = torch.empty(2, dtype=torch.float16)
+    collectives._torch_reduce_scatter(
+        out, torch.full((2 * world,), 40000.0, dtype=torch.float16), "avg", torch.distributed.group.WORLD
+    )
+    return {
+        "sparse": sparse,
+        "fp16_avg": (big.float() - 40000).abs().max().item(),
+        "fp16_avg_rs": (out.float() - 40000).abs().max().item(),
+    }
+
+
 def all_engines(rank: int, world: int) -> dict[str, dict[str, float]]:
     """Every engine's job in turn, in one process group (spawning the ranks costs more than a job)."""
-    return {name: job(rank, world) for name, job in ENGINES.items()}
+    return {**{name: job(rank, world) for name, job in ENGINES.items()}, "edges": edges(rank, world)}

@@ -609,6 +609,16 @@ def test_world1_fallback_average_of_complex_and_of_a_leaf_that_requires_grad(wor
     assert b.tolist() == [True, False]
 
 
+def test_world1_sparse_tensors_are_refused_by_name(world1) -> None:
+    """A sparse tensor (DDP's bucket of nn.Embedding(sparse=True) gradients) was refused as 'must be
+    contiguous (got strides (0, 0))'."""
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(TypeError, match=r"expected a dense tensor, got layout torch\.sparse_coo"):
+        comm.all_reduce(sparse)
+    with pytest.raises(TypeError, match="expected a dense tensor"):
+        comm.all_gather_into_tensor(torch.empty(3, 3), sparse)
+
+
 @pytest.mark.parametrize(("cid", "call", "exc", "message"), bad_inputs(1), ids=[c[0] for c in bad_inputs(1)])
 def test_world1_bad_input(world1, cid, call, exc, message) -> None:
     with pytest.raises(exc, match=re.escape(message)):

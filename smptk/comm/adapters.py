@@ -20,7 +20,7 @@ interpreter the same calls take the torch.distributed fallback)::
     >>> from smptk.comm.adapters import SmptkAllGather, SmptkHookState, SmptkReduceScatter, ddp_comm_hook
     >>> dist.init_process_group("gloo")
     >>> ddp = DistributedDataParallel(nn.Linear(8, 4))
-    >>> ddp.register_comm_hook(SmptkHookState(max_sms=8), ddp_comm_hook)
+    >>> ddp.register_comm_hook(SmptkHookState(group=ddp.process_group, max_sms=8), ddp_comm_hook)
     >>> ddp(torch.full((3, 8), float(dist.get_rank()))).sum().backward()
     >>> comm.last_path(), ddp.module.weight.grad.unique()   # averaged: (3 * 0 + 3 * 1) / 2
     ('symmetric', tensor([1.5000]))
@@ -39,26 +39,38 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from smptk.comm.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from smptk.comm.collectives import _max_sms, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 
-try:  # FSDP2's comm interfaces (torch >= 2.8); without them only the DDP hook is offered
+try:  # FSDP2's comm interfaces (torch >= 2.8); without them the FSDP2 objects refuse to be made
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
 except ImportError:  # pragma: no cover - older torch
     _AllGatherBase = _ReduceScatterBase = object
 
 
+def _check_max_sms(max_sms: object, *, copy_engine: bool = False) -> int | None:
+    """``max_sms`` checked now, as the collectives will check it (None: smptk.comm's setting at each call;
+    0 only where it names the copy-engine path), not at the first backward inside DDP or FSDP."""
+    if max_sms is None or (copy_engine and max_sms == 0 and not isinstance(max_sms, bool)):
+        return max_sms
+    return _max_sms(max_sms)
+
+
 class SmptkHookState:
     """State of :func:`ddp_comm_hook`: the process group, the SM budget and (CUDA) the side stream.
 
     Args:
-        group: process group to all-reduce over (default: DDP's, i.e. the world).
-        max_sms: programs per all-reduce (default: smptk.comm's setting).
+        group: process group to all-reduce over: DDP's ``process_group``. None is the default (world)
+            group, as for torch's own hooks: a hook cannot see DDP's group, so a DDP built on a subgroup
+            needs ``SmptkHookState(group=ddp.process_group)`` (with None it would average over every rank).
+        max_sms: programs per all-reduce, 1..256 (default: smptk.comm's setting).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, max_sms: int | None = None):
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a ProcessGroup or None, got {type(group).__name__}")
         self.group = group
-        self.max_sms = max_sms
+        self.max_sms = _check_max_sms(max_sms)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -72,10 +84,15 @@ def ddp_comm_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket's flattened gradients over the group with smptk.comm.
 
-    Register with ``ddp.register_comm_hook(SmptkHookState(), ddp_comm_hook)``.
+    Register with ``ddp.register_comm_hook(SmptkHookState(group=ddp.process_group), ddp_comm_hook)``. A
+    bucket of sparse gradients (``nn.Embedding(sparse=True)``) goes to torch's own all-reduce hook.
     """
     state = state if state is not None else SmptkHookState()
     tensor = bucket.buffer()
+    if tensor.layout != torch.strided:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook(state.group, bucket)
     if not tensor.is_cuda:
         all_reduce(tensor, op="avg", group=state.group, max_sms=state.max_sms)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -102,8 +119,15 @@ def _op_name(op: object) -> str | None:
 class _SmptkComm:
     """What both FSDP2 comm objects share: the SM budget and plain caching-allocator buffers."""
 
+    _copy_engine = False  # whether max_sms=0 names a path (the all-gather's copy engine)
+
     def __init__(self, max_sms: int | None = None):
-        self.max_sms = max_sms
+        if _AllGatherBase is object:
+            raise RuntimeError(
+                f"{type(self).__name__}: torch {torch.__version__} has no FSDP2 custom comm API "
+                "(set_custom_all_gather / set_custom_reduce_scatter, torch >= 2.8)"
+            )
+        self.max_sms = _check_max_sms(max_sms, copy_engine=self._copy_engine)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -115,6 +139,8 @@ class SmptkAllGather(_SmptkComm, _AllGatherBase):
     ``max_sms=0`` takes the copy-engine algorithm: no SM moves the parameters (two one-program signal
     kernels order the copies), so the all-gather does not take SMs from the compute it overlaps.
     """
+
+    _copy_engine = True
 
     def __call__(
         self,

@@ -485,6 +485,11 @@ def _all_arrive(group: dist.ProcessGroup, timeout_s: float) -> None:
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{name}: expected a dense tensor, got layout {t.layout} (sparse tensors: use "
+            "torch.distributed's collectives)"
+        )
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
     return t
@@ -889,7 +894,8 @@ def all_reduce(
     """In-place all-reduce of ``tensor`` over ``group`` (like ``dist.all_reduce``); returns ``tensor``.
 
     Args:
-        tensor: contiguous; fp32/bf16/fp16/int32 take the symmetric path (fp32 accumulation for 16-bit).
+        tensor: contiguous; fp32/bf16/fp16/int32 take the symmetric path (fp32 accumulation for 16-bit;
+            the fallback's "avg" sums 16-bit floats in fp32 too where it sums and divides, e.g. gloo).
         op: "sum", "avg", "max" or "min" (or ``dist.ReduceOp.SUM`` ... ``MIN``).
         group: process group (default: the world).
         max_sms: programs (SMs) the kernel occupies, 1..256 (default: :func:`configure`'s, 8).
@@ -937,6 +943,25 @@ def _sum_then_divide(op: str, dtype: torch.dtype, g: dist.ProcessGroup) -> bool:
     return op == "avg" and (dist.get_backend(g) != "nccl" or exact)
 
 
+# The fallback's sum-then-divide sums these in fp32, as the symmetric kernels do: an fp16 sum over ranks
+# overflowed to inf where the average fits (two ranks' 40000), and a bf16 sum rounds at every rank.
+_SUM_IN_FP32 = (torch.float16, torch.bfloat16)
+
+
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or an fp32 copy of it to sum into (a 16-bit float)."""
+    if t.dtype not in _SUM_IN_FP32:
+        return t
+    with torch.no_grad():
+        return t.float()
+
+
+def _put_back(acc: torch.Tensor, t: torch.Tensor) -> None:
+    if acc is not t:
+        with torch.no_grad():
+            t.copy_(acc)
+
+
 def _average(t: torch.Tensor, world: int) -> None:
     """A sum made the mean in place: true division for floating and complex dtypes, the floor for integers.
     Outside autograd, as the collective before it (``t`` may be a leaf that requires grad)."""
@@ -955,8 +980,10 @@ def _check_avg_dtype(op: str, dtype: torch.dtype) -> None:
 
 def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
     if _sum_then_divide(op, tensor.dtype, g):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g)
-        _average(tensor, dist.get_world_size(g))
+        acc = _summed(tensor)
+        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=g)
+        _average(acc, dist.get_world_size(g))
+        _put_back(acc, tensor)
     else:
         dist.all_reduce(tensor, op=_TORCH_OPS[op], group=g)
     _fallback(g)
@@ -1107,8 +1134,10 @@ def reduce_scatter_tensor(
 
 def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
     if _sum_then_divide(op, input.dtype, g):
-        dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=g)
-        _average(output, dist.get_world_size(g))
+        acc = _summed(output)
+        dist.reduce_scatter_tensor(acc, _summed(input), op=dist.ReduceOp.SUM, group=g)
+        _average(acc, dist.get_world_size(g))
+        _put_back(acc, output)
     else:
         dist.reduce_scatter_tensor(output, input, op=_TORCH_OPS[op], group=g)
     _fallback(g)
