@@ -433,6 +433,27 @@ def case_styles(ctx: _Ctx, problems: list[str]) -> None:
             _close(problems, f"{label} {name}", p, _expected_local(ref_params[name], p), exact=True)
             _close(problems, f"{label} {name}.grad", p.grad, _expected_local(ref_params[name].grad, p))
 
+    # A converted layer keeps what its user set on it and gains the layer's own check that the weights a
+    # forward saved are unchanged at backward (the swap used to drop both: a weight scaled between forward
+    # and backward gave gradients of the new weights, silently).
+    for style, make in ((SmptkColwiseParallel(), lambda: nn.Linear(3, 2 * T)),
+                        (SmptkRowwiseParallel(), lambda: nn.Linear(2 * T, 3))):  # fmt: skip
+        label = f"{type(style).__name__} conversion"
+        torch.manual_seed(ctx.next_seed())
+        lin = make()
+        lin.init_std = 0.02
+        parallelize_module(lin, ctx.mesh, style)
+        if getattr(lin, "init_std", None) != 0.02:
+            problems.append(f"{label}: the attribute set on the nn.Linear is gone")
+        width = lin.in_features if isinstance(style, SmptkColwiseParallel) else lin.in_features // T
+        x = torch.randn(2, width)
+        y = lin(x.requires_grad_())
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        _raises(problems, f"{label}: weight changed before backward", RuntimeError,
+                ("modified by an inplace operation", "expected version"),
+                lambda y=y: y.sum().backward())  # fmt: skip
+
 
 def case_autocast(ctx: _Ctx, problems: list[str]) -> None:
     """A column -> row pair of fp32 layers under ``torch.autocast`` computes in the autocast dtype and returns
@@ -585,6 +606,15 @@ class _ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * self.scale
 
 
+class _ZeroInitLinear(nn.Linear):
+    """A linear initialized to zero (an output projection's usual init): converting it would lose it."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 def _weight_normed(linear: nn.Linear) -> nn.Module:
     return nn.utils.parametrizations.weight_norm(linear)
 
@@ -592,11 +622,13 @@ def _weight_normed(linear: nn.Linear) -> nn.Module:
 def case_errors(ctx: _Ctx, problems: list[str]) -> None:
     """Bad input raises on every rank, before any collective, naming the argument and the numbers."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
     from smptk.parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
         SmptkColwiseParallel,
+        SmptkRowwiseParallel,
         VocabParallelEmbedding,
         vocab_parallel_cross_entropy,
     )
@@ -657,6 +689,10 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
          lambda: VocabParallelEmbedding.from_embedding(_ScaledEmbedding(2 * T, 3), mesh=m)),
         ("parametrized linear", TypeError, ("ParametrizedLinear", "['parametrizations']"),
          lambda: SmptkColwiseParallel()._apply(_weight_normed(nn.Linear(5, T)), m)),
+        ("own init", TypeError, ("_ZeroInitLinear", "its own reset_parameters", "would drop"),
+         lambda: SmptkColwiseParallel()._apply(_ZeroInitLinear(5, T), m)),
+        ("already parallelized", TypeError, ("['weight', 'bias']", "DTensors already"),
+         lambda: SmptkRowwiseParallel()._apply(ColwiseParallel()._apply(nn.Linear(T, T), m), m)),
         ("DTensor placement", ValueError, ("x", "Shard(dim=1)", "Replicate"), lambda: col(sharded)),
         ("uneven DTensor sequence", ValueError, ("sequence length", str(2 * T + 1), f"size {T}"),
          lambda: col_sp1(uneven)),

@@ -197,21 +197,46 @@ def _shard_of(full: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: in
     return param.requires_grad_(full.requires_grad)
 
 
+# What a subclass may define and still convert: construction, and how it prints.
+_HARMLESS_OVERRIDES = frozenset({"__init__", "extra_repr", "__repr__"})
+
+
+def _own_methods(cls: type, base: type) -> list[str]:
+    """The methods and properties ``cls`` defines between itself and ``base`` (``forward`` first)."""
+    names = {
+        name
+        for klass in cls.__mro__[: cls.__mro__.index(base)]
+        for name, value in vars(klass).items()
+        if name not in _HARMLESS_OVERRIDES
+        and (callable(value) or isinstance(value, (property, classmethod, staticmethod)))
+    }
+    return sorted(names, key=lambda n: (n != "forward", n))
+
+
 def _check_plain(module: nn.Module, base: type[nn.Module], name: str, state: tuple[str, ...]) -> None:
-    """``module`` is a ``base`` whose conversion loses nothing: a subclass with its own ``forward``, or with
-    parameters, buffers or submodules beyond ``state``, would have them dropped silently (a scaled
-    embedding lost its scale), so it is refused."""
+    """``module`` is a ``base`` whose conversion loses nothing: a subclass with its own ``forward`` or other
+    methods (a ``reset_parameters`` with its own init), or with parameters, buffers or submodules beyond
+    ``state``, would have them dropped silently (a scaled embedding lost its scale; a zero-init layer
+    materialized with nn.Linear's init), so it is refused; so is a module another style already
+    parallelized (DTensor parameters)."""
     if not isinstance(module, base):
         raise TypeError(f"{name}: expected an nn.{base.__name__}, got {type(module).__name__}")
     cls = type(module)
+    methods = _own_methods(cls, base)
     extra = [n for n, _ in module.named_parameters(recurse=False) if n not in state]
     extra += [n for n, _ in module.named_buffers(recurse=False)] + list(module._modules)
-    if cls.forward is not base.forward or extra:
-        what = "its own forward" if cls.forward is not base.forward else ""
+    if methods or extra:
+        what = f"its own {', '.join(methods)}" if methods else ""
         what += (" and " if what and extra else "") + (f"state {extra}" if extra else "")
         raise TypeError(
             f"{name}: {cls.__name__} subclasses nn.{base.__name__} with {what}, which the tensor-parallel "
             f"layer would drop; convert a plain nn.{base.__name__} (apply the extra computation around it)"
+        )
+    sharded = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+    if sharded:
+        raise TypeError(
+            f"{name}: its parameters {sharded} are DTensors already (parallelized by another style, or "
+            f"sharded); convert the plain nn.{base.__name__}, once"
         )
 
 

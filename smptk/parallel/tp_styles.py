@@ -9,12 +9,19 @@
 They play the part of torch's ``ColwiseParallel`` / ``RowwiseParallel``, with smptk's kernels and
 collectives underneath: the converted module holds DTensor parameters on the 1-D mesh it is given and
 returns plain local tensors. ``torch.distributed.tensor.parallel.parallelize_module`` ignores what a
-style returns for a submodule, so each style converts the module object in place (its class,
-parameters and attributes; its hooks stay), as ``fully_shard`` changes a module's class. A fused
-activation replaces the one the model applies after the layer: set that one to ``nn.Identity()``.
+style returns for a submodule, so each style converts the module object in place: its class, parameters
+and the base class's attributes become the new layer's; its hooks, its train/eval mode and attributes you
+set on it stay. A fused activation replaces the one the model applies after the layer: set that one to
+``nn.Identity()``.
 
-Only plain ``nn.Linear`` / ``nn.Embedding`` modules convert: a subclass with its own ``forward`` or extra
-state (a scaled embedding, a parametrized weight) is refused, since the new layer would drop it.
+The converted module is no longer an ``nn.Linear`` / ``nn.Embedding`` (torch's styles keep the class,
+and ``fully_shard`` makes a subclass of it): an init function that dispatches on
+``isinstance(m, nn.Linear)`` (``model.apply(init_fn)``) skips it. Dispatch on smptk's layer classes too,
+or call their ``reset_parameters()`` (:func:`smptk.parallel.materialize` does, after ``to_empty``).
+
+Only plain ``nn.Linear`` / ``nn.Embedding`` modules convert: a subclass with methods of its own (a
+``forward``, a ``reset_parameters`` with its own init) or extra state (a scaled embedding, a parametrized
+weight) is refused, since the new layer would drop it; so is a module another style already parallelized.
 Converting a weight that another module shares (an embedding tied to ``lm_head``) unties them, as torch's
 styles do; the head keeps the old full tensor. Both are ``[V, H]`` split by vocabulary rows, so after
 ``parallelize_module`` tie them again: ``model.lm_head.weight = model.embed.weight``.
@@ -54,6 +61,7 @@ Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), a tens
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from torch import nn
@@ -78,18 +86,32 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__) - {
 }
 
 
-def _become(module: nn.Module, new: nn.Module) -> nn.Module:
-    """Turn ``module`` into ``new`` in place (class, parameters, attributes), keeping its hooks and mode.
+# The hook registries of a module (dicts keyed by the handles' ids, unique across modules).
+_HOOK_KEYS = tuple(k for k, v in nn.Module().__dict__.items() if "hook" in k and isinstance(v, dict))
+
+
+@functools.cache
+def _base_keys(base: type[nn.Module]) -> frozenset[str]:
+    """The attributes every ``base`` instance has beyond nn.Module's (nn.Linear's in_features, ...)."""
+    return frozenset(vars(base(1, 1, device="meta"))) - _MODULE_KEYS - {"_parameters", "_buffers", "_modules"}
+
+
+def _become(module: nn.Module, new: nn.Module, base: type[nn.Module]) -> nn.Module:
+    """Turn ``module`` into ``new`` in place (class, parameters, ``base``'s attributes), keeping its hooks,
+    its mode and the attributes its user set (``lin.init_std = 0.02``); ``new``'s own hooks are added.
 
     ``parallelize_module`` discards what a style's ``_apply`` returns for a submodule, so a style that
-    swaps the layer must change the object the parent holds; ``fully_shard`` changes a module's class
-    the same way.
+    swaps the layer must change the object the parent holds.
     """
-    for key in [k for k in module.__dict__ if k not in _MODULE_KEYS]:
+    for key in [
+        k for k in module.__dict__ if k in _base_keys(base) or (k in new.__dict__ and k not in _MODULE_KEYS)
+    ]:
         del module.__dict__[key]
     for key, value in new.__dict__.items():
         if key not in _MODULE_KEYS:
             module.__dict__[key] = value
+    for key in _HOOK_KEYS:  # the layer's own checks (its saved weights unchanged at backward)
+        module.__dict__[key].update(new.__dict__[key])
     module.__class__ = new.__class__
     return module
 
@@ -98,6 +120,7 @@ class _LayerStyle(ParallelStyle):
     """A style that converts the module in place into the layer ``_convert`` builds from it."""
 
     _convert: Callable[..., nn.Module]
+    _base: type[nn.Module] = nn.Linear
     options: dict
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -105,7 +128,7 @@ class _LayerStyle(ParallelStyle):
             raise TypeError(f"device_mesh: expected a DeviceMesh, got {type(device_mesh).__name__}")
         convert = type(self)._convert
         new = convert(module, mesh=_tp_mesh(device_mesh), src_data_rank=self.src_data_rank, **self.options)
-        return _become(module, new)
+        return _become(module, new, type(self)._base)
 
 
 class SmptkColwiseParallel(_LayerStyle):
@@ -183,6 +206,7 @@ class SmptkVocabParallel(_LayerStyle):
     """
 
     _convert = VocabParallelEmbedding.from_embedding
+    _base = nn.Embedding
 
     def __init__(self, *, sequence_parallel: bool = False, sequence_dim: int = 1):
         super().__init__()
