@@ -456,3 +456,19 @@ def test_extra_state_comes_back_whole(tmp_path) -> None:
     assert back.offsets == {"wiki": 1200, "code": 340}
     assert len(back.seen) == 2 and all(torch.equal(a, b) for a, b in zip(back.seen, pos.seen, strict=True))
     assert empty.offsets == {} and empty.seen == []
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_a_tensor_learning_rate_loads(tmp_path, stepped: bool) -> None:
+    """``lr=torch.tensor(...)`` (for a compiled or capturable step) is saved as a tensor: reading the saved
+    groups by name must ask DCP for a tensor there (a placeholder failed: 'expected BytesStorageMetadata')."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    if stepped:
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    save_checkpoint(tmp_path / "c", model, opt)
+    other = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.5))
+    load_checkpoint(tmp_path / "c", model, other)
+    assert torch.equal(other.param_groups[0]["lr"], torch.tensor(0.01))
+    assert len(other.state) == (2 if stepped else 0)

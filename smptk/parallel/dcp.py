@@ -409,6 +409,26 @@ def load_checkpoint(
         raise
 
 
+def _saved_groups_template(path: str, saved_groups: list[int]) -> list[dict[str, Any]]:
+    """What DCP loads the saved parameter groups into: each group's fields, a tensor of the saved shape and
+    dtype where one was saved (``lr=torch.tensor(...)``), else a placeholder the saved value replaces."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    groups: list[dict[str, Any]] = [{} for _ in saved_groups]
+    for key, meta in saved.items():
+        parts = key.split(".", 3)
+        if key.startswith(f"{OPTIM_KEY}.param_groups.") and len(parts) == 4:
+            value = (
+                torch.empty(meta.size, dtype=meta.properties.dtype)
+                if isinstance(meta, TensorStorageMetadata)
+                else None
+            )
+            groups[saved_groups.index(int(parts[2]))][parts[3]] = value
+    return groups
+
+
 def _extra_format(keys: list[str], name: str) -> str | None:
     """How ``extra[name]`` was saved: "bytes" (one value), "flat" (DCP's keys, older checkpoints), None."""
     if f"{EXTRA_KEY}.{name}" in keys:
@@ -441,11 +461,7 @@ def _load(
         current_groups = [{**g, "params": list(g["params"])} for g in state[OPTIM_KEY]["param_groups"]]
         # The checkpoint's groups are read as saved (how many there are, which parameters each holds) and
         # matched to the optimizer's by those names below, not by position.
-        fields = {
-            i: {k.split(".", 3)[3] for k in keys if k.startswith(f"{OPTIM_KEY}.param_groups.{i}.")}
-            for i in saved_groups
-        }
-        groups = {OPTIM_KEY: {"param_groups": [dict.fromkeys(fields[i]) for i in saved_groups]}}
+        groups = {OPTIM_KEY: {"param_groups": _saved_groups_template(path, saved_groups)}}
         with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
             _dcp().load(groups, checkpoint_id=path, no_dist=not _distributed())
         # Checked before the load (DCP copies into the model's own tensors): a refused load leaves the
