@@ -279,6 +279,13 @@ class MoE(nn.Module):
     On the ``meta`` device (delayed initialization) forward and backward propagate shapes; with a
     capacity the grouped buffer takes its bound ``min(T * k, E * C)`` rows (see :func:`moe_dispatch`).
 
+    Under tensor parallelism the layer is whole on every tp rank (its weights are not on the tp mesh) and
+    must see the same tokens on each, as :func:`smptk.parallel.transform` arranges: not after
+    sequence-parallel layers, whose outputs hold one sequence block per tp rank. There each tp rank's
+    router and expert gradients would hold only its own block's share, nothing sums them over tp (the
+    replicas then drift apart, silently), and the aux loss would be each block's: keep sequence
+    parallelism off in the blocks that hold a MoE layer.
+
     Example::
 
         >>> _ = torch.manual_seed(0)

@@ -171,8 +171,9 @@ def cluster(spec: str | Cluster | Mapping[str, Any], nodes: int | None = None) -
     Custom keys and units:
 
     - ``gpu``: a name;
-    - ``memory_gb``: device memory in GiB (2**30 bytes, as the plan prints it; a data sheet's GB is 1e9
-      bytes: a "141 GB" H200 is 131.3 here, the p5en preset's value);
+    - ``memory_gb``: device memory in GiB (2**30 bytes, as the plan prints it; a data sheet's "GB" is GiB
+      for some GPUs and 1e9 bytes for others: the A100 presets hold 40 and 80, the p5en's "141 GB" H200
+      131.3);
     - ``bf16_tflops``: peak dense bf16 TFLOP/s per GPU;
     - ``gpus_per_node``: GPUs per node;
     - ``intra_node_gbps``: NVLink GB/s per GPU, each way;
