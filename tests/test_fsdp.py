@@ -244,6 +244,29 @@ def test_select_units_rejects_bad_specs() -> None:
         select_units(model, "layers.0")
 
 
+class _TitanLike(nn.Module):
+    """torchtitan's layout: the blocks in an nn.ModuleDict keyed by their index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(7, 4)
+        self.layers = nn.ModuleDict({str(i): _Block() for i in range(2)})
+        self.out = nn.Linear(4, 3)
+
+
+def test_the_default_units_are_a_module_dicts_blocks() -> None:
+    """The default picked the ModuleDict itself as a unit (a model without a ModuleList: every direct child
+    holding parameters), and fully_shard refused it ('containers that do not implement forward')."""
+    assert _names(select_units(_TitanLike())) == ["layers.1", "layers.0"]
+
+
+def test_a_class_that_matches_nothing_is_refused() -> None:
+    """An unmatched class left the root as the only unit (the whole model in one all-gather), silently,
+    where an unmatched name raised."""
+    with pytest.raises(ValueError, match=r"modules: no submodule is a Conv1d .*pass \[\] for that"):
+        select_units(_Nested(), [nn.Conv1d, nn.Linear])
+
+
 def test_mixed_precision_policy() -> None:
     bf16 = mixed_precision_policy("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
@@ -279,6 +302,27 @@ def test_argument_errors() -> None:
         # full shard runs on FSDP2, where DDP's options would do nothing
         with pytest.raises(ValueError, match=r"ddp_options \['static_graph'\]: this model runs on FSDP2"):
             apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"static_graph": True})
+        # DDP's own mixed precision registers a comm hook, and smptk's then failed in torch ("can only be
+        # called once"); named up front unless torch's collectives are asked for
+        with pytest.raises(
+            ValueError, match="ddp_options: DDP's 'mixed_precision' registers its own comm hook"
+        ):
+            apply_data_parallel(nn.Linear(2, 2), state, ddp_options={"mixed_precision": object()})
+
+
+def test_the_ddp_path_checks_its_arguments() -> None:
+    """The DDP path ignored ``modules`` (a typo surfaced only once the config moved the model to FSDP2) and
+    wrapped its own result again (every gradient all-reduced twice, state_dict keys module.module.*)."""
+    with fake_world(2):
+        state = parallel.init({"hybrid_shard_degree": 1, "mixed_precision": "fp32"})
+        with pytest.raises(ValueError, match=re.escape("modules: no submodule named 'no.such'")):
+            apply_data_parallel(nn.Sequential(nn.Linear(2, 2)), state, modules=["no.such"])
+        with pytest.raises(TypeError, match="modules: expected None, a callable"):
+            apply_data_parallel(nn.Sequential(nn.Linear(2, 2)), state, modules=5)
+        ddp, report = apply_data_parallel(nn.Sequential(nn.Linear(2, 2)), state, use_smptk_collectives=False)
+        assert report.engine == "ddp"
+        with pytest.raises(TypeError, match=r"a DistributedDataParallel already .*pass the model it wraps"):
+            apply_data_parallel(ddp, state, use_smptk_collectives=False)
 
 
 def test_a_module_shared_by_two_units_is_named() -> None:

@@ -28,9 +28,11 @@ with torch.distributed, and the report says so with the reason):
 
 Units. FSDP2 groups parameters into units, one all-gather and one reduce-scatter each, and must be
 applied bottom-up. ``modules`` picks the units below the root (the root is always one, last): by default
-every child of the first ``nn.ModuleList`` in the model (the transformer blocks, as torchtitan wraps
-them), or, in a model with no ModuleList, every direct child that holds parameters; or a list of module
-classes / qualified names (``model.named_modules()`` names); or ``fn(name, module) -> bool``.
+every child of the first ``nn.ModuleList`` in the model (the transformer blocks), else of the first
+``nn.ModuleDict`` (torchtitan keeps its blocks in one), or, in a model with neither, every direct child
+that holds parameters; or a list of module classes / qualified names (``model.named_modules()`` names;
+each must match a submodule); or ``fn(name, module) -> bool``. The DDP path checks ``modules`` too,
+though it buckets gradients by size.
 
 Mixed precision (config ``mixed_precision``, :func:`mixed_precision_policy`): "bf16" gives
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: parameters are all-gathered and
@@ -308,9 +310,12 @@ def select_units(model: nn.Module, modules: ModuleSpec = None) -> list[tuple[str
     """
     named = [(n, m) for n, m in model.named_modules() if n]  # pre-order, without the root
     if modules is None:
-        first_list = model if isinstance(model, nn.ModuleList) else None
-        if first_list is None:
-            first_list = next((m for _, m in named if isinstance(m, nn.ModuleList)), None)
+        # The blocks: the children of the first ModuleList, else of the first ModuleDict (torchtitan's
+        # layers), containers without a forward, which FSDP2 refuses as units.
+        first_list = model if isinstance(model, (nn.ModuleList, nn.ModuleDict)) else None
+        for kind in (nn.ModuleList, nn.ModuleDict):
+            if first_list is None:
+                first_list = next((m for _, m in named if isinstance(m, kind)), None)
         if first_list is not None:
             picked = {id(m) for m in first_list.children()}
         else:
@@ -335,6 +340,12 @@ def select_units(model: nn.Module, modules: ModuleSpec = None) -> list[tuple[str
             known = ", ".join(n for n, _ in named[:12]) + (", ..." if len(named) > 12 else "")
             raise ValueError(
                 f"modules: no submodule named {', '.join(map(repr, missing))} (the model has {known})"
+            )
+        unmatched = [t.__name__ for t in types_ if not any(isinstance(m, t) for _, m in named)]
+        if unmatched:
+            raise ValueError(
+                f"modules: no submodule is a {', '.join(unmatched)} (the root alone would be one unit: the "
+                "whole model in one all-gather); pass [] for that"
             )
         chosen = [(n, m) for n, m in named if n in names or (types_ and isinstance(m, tuple(types_)))]
     else:
@@ -432,7 +443,7 @@ def _check_args(model, state, reshard_after_forward, use_smptk_collectives) -> P
 _DDP_SET_BY_SMPTK = ("self", "module", "device_ids", "output_device", "process_group", "device_mesh")
 
 
-def _check_ddp_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+def _check_ddp_options(options: Mapping[str, Any] | None, use_smptk: str | bool) -> dict[str, Any]:
     if options is None:
         return {}
     if not isinstance(options, Mapping):
@@ -445,6 +456,12 @@ def _check_ddp_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
             known = sorted(accepted.difference(_DDP_SET_BY_SMPTK))
             raise ValueError(
                 f"ddp_options: {key!r} is not an argument of DistributedDataParallel; it takes {known}"
+            )
+        if key == "mixed_precision" and options[key] is not None and use_smptk is not False:
+            raise ValueError(
+                "ddp_options: DDP's 'mixed_precision' registers its own comm hook, which excludes smptk's "
+                "(torch: 'register_comm_hook ... can only be called once'); pass use_smptk_collectives=False "
+                "with it, or set the config's mixed_precision (bf16 / fp16 run on FSDP2)"
             )
     return dict(options)
 
@@ -498,7 +515,7 @@ def apply_data_parallel(
         ``DistributedDataParallel`` wrapping it) and the :class:`DataParallelReport`.
     """
     state = _check_args(model, state, reshard_after_forward, use_smptk_collectives)
-    ddp_options = _check_ddp_options(ddp_options)
+    ddp_options = _check_ddp_options(ddp_options, use_smptk_collectives)
     sizes = state.sizes
     cfg = state.config
     mode = (
@@ -543,6 +560,7 @@ def apply_data_parallel(
     policy = mixed_precision_policy(cfg.mixed_precision)
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if engine == "ddp":
+        select_units(model, modules)  # checked, though DDP buckets by size: a typo surfaces now, not on FSDP2
         return _apply_ddp(model, state, mode, use_smptk_collectives, ddp_options)
     if cfg.delayed_parameter_initialization and len(meta) < sum(1 for _ in model.parameters()):
         warnings.warn(
@@ -659,6 +677,11 @@ def _keep_rank_local_buffers(model: nn.Module) -> None:
 
 
 def _apply_ddp(model, state, mode, use_smptk, options):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "model: a DistributedDataParallel already (apply_data_parallel's result?): wrapping it again "
+            "would all-reduce every gradient twice; pass the model it wraps (.module)"
+        )
     group = state.group("dp")
     blocker = None if use_smptk is False else _heap_blocker(group, state.device_type, "dp")
     smptk_on, why_torch = _smptk_choice(use_smptk, blocker)
