@@ -27,7 +27,17 @@ from smptk.kernels import runtime
 from smptk.parallel import shard_init, tp_styles
 from smptk.parallel import tensor_parallel as tp
 
-COMMON = ["init_stream", "autocast", "column", "row", "embedding", "cross_entropy", "styles", "errors"]
+COMMON = [
+    "init_stream",
+    "autocast",
+    "column",
+    "row",
+    "embedding",
+    "cross_entropy",
+    "styles",
+    "moe_sequence_parallel",
+    "errors",
+]
 JOB_CASES = {2: [*COMMON, "triton"], 4: [*COMMON, "fsdp"]}
 DEADLINE_S = {2: 150, 4: 180}
 ENV = {

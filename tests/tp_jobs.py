@@ -579,6 +579,45 @@ def _triton_pair(ctx: _Ctx, problems: list[str], seq_dim: int) -> None:
         os.environ["SMPTK_KERNELS"] = "torch"
 
 
+def case_moe_sequence_parallel(ctx: _Ctx, problems: list[str]) -> None:
+    """MoE(sequence_parallel=True) on this rank's sequence block: its output is the block of the unsharded
+    layer's, and every rank's router / expert / shared-expert gradients and aux loss are the unsharded
+    layer's (without the option each rank's gradients held its own block's share, summed by nothing:
+    ~100% off at tp2 x ep2). Both sequence layouts; the input gradient is this rank's block."""
+    from smptk.parallel import MoE
+
+    T, r = ctx.tp, ctx.r
+    for dim, shape in ((1, (2, 3 * T, 8)), (0, (2 * T, 3, 8))):
+        label = f"MoE sequence_parallel, sequence_dim {dim}"
+        kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coef=0.1, z_loss_coef=0.01)
+        torch.manual_seed(ctx.next_seed())
+        ref = MoE(8, 12, 4, **kwargs)
+        moe = MoE(8, 12, 4, **kwargs, sequence_parallel=True, sequence_dim=dim, tp_mesh=ctx.mesh)
+        moe.load_state_dict(ref.state_dict())
+        x_full, weight = ctx.randn(*shape).requires_grad_(), ctx.randn(*shape)
+        n = shape[dim] // T
+        x = x_full.detach().narrow(dim, r * n, n).clone().requires_grad_()
+        y = moe(x)
+        (y * weight.narrow(dim, r * n, n)).sum().add(moe.aux_loss).backward()  # this rank's share + aux
+        y_ref = ref(x_full)
+        (y_ref * weight).sum().add(ref.aux_loss).backward()
+        _close(problems, f"{label} output", y, y_ref.narrow(dim, r * n, n))
+        _close(problems, f"{label} aux_loss", moe.aux_loss, ref.aux_loss)
+        _close(problems, f"{label} x.grad", x.grad, x_full.grad.narrow(dim, r * n, n))
+        for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters(), strict=True):
+            _close(problems, f"{label} {name}.grad", p.grad, p_ref.grad)
+    with torch.device("meta"):  # delayed initialization: shapes only, no collective
+        meta = MoE(8, 12, 4, sequence_parallel=True, tp_mesh=ctx.mesh)
+    y = meta(torch.empty(2, 3, 8, device="meta"))
+    if y.shape != (2, 3, 8) or not y.is_meta:
+        problems.append(f"MoE sequence_parallel on meta: {tuple(y.shape)} on {y.device}, expected (2, 3, 8)")
+    on_features = MoE(8, 12, 4, sequence_parallel=True, sequence_dim=2, tp_mesh=ctx.mesh)
+    _raises(problems, "MoE tp_mesh without sequence_parallel", ValueError,
+            ("tp_mesh", "sequence_parallel=True"), lambda: MoE(8, 12, 4, tp_mesh=ctx.mesh))  # fmt: skip
+    _raises(problems, "MoE sequence_dim on the features", ValueError, ("sequence_dim 2", "(2, 3, 8)"),
+            lambda: on_features(torch.randn(2, 3, 8)))  # fmt: skip
+
+
 def _raises(
     problems: list[str], label: str, exc: type, words: tuple[str, ...], fn: Callable[[], object]
 ) -> None:
@@ -821,6 +860,7 @@ CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
     "embedding": case_embedding,
     "cross_entropy": case_cross_entropy,
     "styles": case_styles,
+    "moe_sequence_parallel": case_moe_sequence_parallel,
     "errors": case_errors,
     "triton": case_triton,
     "fsdp": case_fsdp,

@@ -16,7 +16,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   residual stream split along the sequence, the norms' weight gradients summed over ``tp``;
   ``tp2_sp_selective_llama`` under selective checkpointing (the kept GEMM and reduce-scatter outputs,
   the all-gathers run again).
-- ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split.
+- ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split;
+  ``tp2_sp_mixtral`` with sequence parallelism (the MoE layers gather the sequence and run whole) and
+  Hugging Face's load-balancing loss.
 - ``dp2_llama`` (full shard over 2 ranks): each rank its own batch; the reference steps on the mean loss.
 - ``ep2_mixtral`` (expert_parallel_degree 2): each rank its own batch; experts split over ``ep``.
 - ``meta_tp2_llama``, ``meta_ep2_mixtral``, ``meta_dp2_tied_llama`` (tied embeddings, whose saved
@@ -27,7 +29,7 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
   of each tp group. The two ranks of a tp group feed one batch.
 - ``bad_input``: heads not divisible by tp, tied embeddings or attention dropout under tp, an attention
-  parameter with no tensor-parallel split, sequence parallelism with MoE, without a head, on an odd
+  parameter with no tensor-parallel split, sequence parallelism without a head, on an odd
   sequence, with logits_to_keep or output_hidden_states, or not a bool, an unsupported architecture,
   expert parallelism on a dense model, config and state together; sizes that do not split (an MLP width or
   a vocabulary over tp, experts over ep) refused with the model and its config left as they were.
@@ -195,7 +197,8 @@ def _train(
     h = model.config.hidden_size
     kept = [math.prod(s) // (2 * h) for s in saved if s and s[-1] == h]  # sequence positions held
     no_ac = config.get("activation_checkpointing", "none") == "none"
-    if sp_ and no_ac and (seq in kept or seq // tp not in kept):
+    moe = any(isinstance(m, sp.MoE) for m in module.modules())  # whole on every rank: the whole sequence
+    if sp_ and no_ac and not moe and (seq in kept or seq // tp not in kept):
         problems.append(f"saved hidden states of {kept} positions (seq {seq}, tp {tp})")
     got, want = hf_named(module), dict(ref.named_parameters())
     if set(got) != set(want):
@@ -266,8 +269,6 @@ def _bad_input(problems: list[str]) -> None:
          NotImplementedError, "'gpt2' is not supported"),
         (lambda: sp.transform(_with_sinks(build("llama")), tp2),
          NotImplementedError, "does not know how to split under tensor parallelism: ['sinks']"),
-        (lambda: sp.transform(build("mixtral"), tp2, sequence_parallel=True),
-         NotImplementedError, "sequence_parallel with mixtral's MoE layers"),
         (lambda: sp.transform(build("llama").model, tp2, sequence_parallel=True),
          NotImplementedError, "sequence_parallel needs the causal LM head"),
         (lambda: _odd_sequence(sp.transform(build("llama"), tp2, sequence_parallel=True)[0]),
@@ -310,7 +311,7 @@ def _bad_input(problems: list[str]) -> None:
 
 
 MOE_KINDS = ("mixtral", "qwen3_moe")
-MOE_CASES = ("tp2_mixtral", "ep2_mixtral", "meta_ep2_mixtral")
+MOE_CASES = ("tp2_mixtral", "tp2_sp_mixtral", "ep2_mixtral", "meta_ep2_mixtral")
 AUX_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 CASES = {
     "tp2_llama": lambda p: _train(
@@ -337,6 +338,11 @@ CASES = {
     "meta_ep2_mixtral": lambda p: _meta_load(p, "mixtral", {"expert_parallel_degree": 2}),
     "meta_dp2_tied_llama": lambda p: _meta_load(p, "llama", {}, tie_word_embeddings=True),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
+    # the MoE layers gather the sequence and run whole (sequence parallelism with MoE used to be refused:
+    # each tp rank's router and experts would have trained on its own block's gradient alone)
+    "tp2_sp_mixtral": lambda p: _train(
+        p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True, **AUX_LOSS
+    ),
     "dp2_llama": lambda p: _train(p, "llama", {"hybrid_shard_degree": 0}, same_batch=False),
     # with Hugging Face's load-balancing loss: moe_aux_loss on each rank's tokens, as the stock model's
     "ep2_mixtral": lambda p: _train(

@@ -78,6 +78,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+import smptk.comm.functional as cf
 from smptk.comm.functional import GroupLike, resolve_group
 from smptk.kernels import fused_linear, swiglu
 from smptk.kernels.grouped_linear import grouped_linear, grouped_swiglu
@@ -259,6 +260,14 @@ class MoE(nn.Module):
             (the slices of the weights the unsharded layer draws from the same seed) and its own tokens.
         ep_group: the same as a process group (kept from before meshes; made into a 1-D mesh with
             ``DeviceMesh.from_group``); give at most one of the two.
+        sequence_parallel: the input and output hold this tp rank's block of the sequence (after and
+            before sequence-parallel layers): the layer gathers the sequence, runs whole on every tp rank
+            and returns this rank's block, so its gradients and aux loss are the unsharded layer's on
+            every tp rank. Without it, under tensor parallelism every tp rank must pass the same tokens.
+        sequence_dim: the input's sequence dimension (``[b, s, H]``: 1; ``[s, b, H]``: 0); its length
+            is the same on every tp rank.
+        tp_mesh: the 1-D tensor-parallel mesh of ``sequence_parallel`` (default: the current state's
+            ``tp`` submesh).
         device, dtype: of the parameters.
 
     Parameters: ``router_weight [E, H]`` and the shared experts' on this module, the routed experts'
@@ -280,11 +289,11 @@ class MoE(nn.Module):
     capacity the grouped buffer takes its bound ``min(T * k, E * C)`` rows (see :func:`moe_dispatch`).
 
     Under tensor parallelism the layer is whole on every tp rank (its weights are not on the tp mesh) and
-    must see the same tokens on each, as :func:`smptk.parallel.transform` arranges: not after
-    sequence-parallel layers, whose outputs hold one sequence block per tp rank. There each tp rank's
-    router and expert gradients would hold only its own block's share, nothing sums them over tp (the
-    replicas then drift apart, silently), and the aux loss would be each block's: keep sequence
-    parallelism off in the blocks that hold a MoE layer.
+    must see the same tokens on each, as :func:`smptk.parallel.transform` arranges. After
+    sequence-parallel layers, whose outputs hold one sequence block per tp rank, build it with
+    ``sequence_parallel=True``: without it each tp rank's router and expert gradients would hold only
+    its own block's share, nothing would sum them over tp (the replicas then drift apart, silently),
+    and the aux loss would be each block's.
 
     Example::
 
@@ -312,10 +321,22 @@ class MoE(nn.Module):
         expert_bias: bool = False,
         ep_mesh: DeviceMesh | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        tp_mesh: DeviceMesh | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        from smptk.parallel.tensor_parallel import _check_bool, _check_sequence_dim, _tp_mesh
+
+        self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
+        self.sequence_dim = _check_sequence_dim(sequence_dim)
+        if tp_mesh is not None and not self.sequence_parallel:
+            raise ValueError(
+                "tp_mesh: only with sequence_parallel=True (the layer is whole on every tp rank)"
+            )
+        self.tp_mesh = _tp_mesh(tp_mesh) if self.sequence_parallel else None
         for name, value in (
             ("hidden_size", hidden_size),
             ("ffn_hidden_size", ffn_hidden_size),
@@ -441,10 +462,36 @@ class MoE(nn.Module):
             self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` -> ``[..., H]``; sets :attr:`aux_loss`, :attr:`last_routing`, :attr:`last_plan`."""
+        """``x [..., H]`` -> ``[..., H]``; sets :attr:`aux_loss`, :attr:`last_routing`, :attr:`last_plan`.
+        With ``sequence_parallel``, ``x`` and the output hold this tp rank's sequence block."""
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [..., {self.hidden_size}], got {shape}")
+        if self.sequence_parallel:
+            return self._sequence_parallel_forward(x)
+        return self._forward(x)
+
+    def _sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence through the layer on every tp rank, this rank's block out. Gathered by an
+        all-gather whose backward keeps this rank's block, and split by a copy whose backward sums the
+        blocks: the gradient reaching the layer is then the whole sequence's, equal on every tp rank, and
+        so are its router's and experts' gradients and the aux loss (they are the unsharded layer's:
+        nothing needs summing over tp afterwards)."""
+        from smptk.parallel.tensor_parallel import _GatherSequence, _seq_dim
+
+        dim = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
+        mesh = self.tp_mesh
+        size, rank, n = mesh.size(), mesh.get_local_rank(), x.shape[dim]
+        if x.is_meta:  # shapes only (delayed initialization)
+            whole = torch.cat([x] * size, dim)
+        else:
+            whole = _GatherSequence.apply(x, mesh.get_group(), size, rank, dim)
+        y = self._forward(whole)
+        if not y.is_meta:
+            y = cf.copy_to_group(y, mesh)
+        return y.narrow(dim, rank * n, n)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TH = x.reshape(-1, self.hidden_size)
         no_autocast = (  # fp32 under autocast too (it cast the router to bf16); meta has no autocast
             contextlib.nullcontext()
@@ -577,6 +624,10 @@ class MoE(nn.Module):
             parts.append(f"capacity_factor={self.capacity_factor}")
         if self.ep_group is not None:
             parts.append(f"ep_size={self.ep_size}, local_experts={list(self.local_expert_ids)}")
+        if self.sequence_parallel:
+            parts.append(
+                f"sequence_parallel=True, sequence_dim={self.sequence_dim}, tp={self.tp_mesh.size()}"
+            )
         return ", ".join(parts)
 
 

@@ -77,6 +77,7 @@ Example (every rank of a 2-rank tensor-parallel job)::
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -355,6 +356,22 @@ def _check_versions_in_backward(layer: nn.Module, args: tuple, out: object) -> N
                 )
 
     out.register_hook(check)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather the sequence blocks (``dim``) of a tp group into a region whose input gradient is whole
+    and equal on every tp rank (its column-parallel layers all-reduce it already, or it runs whole on
+    every rank, as a MoE layer does): backward keeps this rank's block of that gradient, where an
+    all-gather's reduce-scatter would add the tp equal copies."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, tp: int, rank: int, dim: int) -> torch.Tensor:
+        ctx.tp, ctx.rank, ctx.dim = tp, rank, dim
+        return cf.all_gather(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.tp, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
 
 
 class _TensorParallelLayer(nn.Module):

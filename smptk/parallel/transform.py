@@ -29,14 +29,16 @@ current one), in the order a model is prepared:
    directly). Attention then runs on each rank's ``heads / tp`` heads (the architectures reshape with
    ``-1`` heads); Qwen3's per-head q / k norms get their weight gradients summed over ``tp`` (their
    weights become Replicate DTensors, their input sharded on the heads dim). The MoE layers stay whole
-   on every tp rank, as smptk's MoE is. With ``sequence_parallel=True`` (dense models) the residual
+   on every tp rank, as smptk's MoE is. With ``sequence_parallel=True`` the residual
    stream between the layers is split along the sequence: the first layer takes this rank's part of the
    embedding output (the model computed its causal mask and rotary positions from the full sequence
    first), the norms run on it with their weight gradients summed over ``tp``, the attention and the MLP
    each gather the sequence once at their input (one all-gather for q / k / v together, one for gate /
    up; what the projections save of it for backward is kept as this rank's block and gathered again in
    backward, :func:`smptk.comm.functional.saved_as_shard`, as Megatron-LM does), their row-parallel
-   output layer reduce-scatters it, and the head gathers it back.
+   output layer reduce-scatters it, and the head gathers it back. A MoE layer (``MoE(...,
+   sequence_parallel=True)``) gathers the sequence, runs whole on every tp rank (holding the whole
+   sequence's activations) and keeps this rank's block of its output.
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
 4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
    decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`. The key-value cache is then
@@ -82,6 +84,7 @@ from torch import nn
 from smptk.parallel.config import ParallelState, current, init
 from smptk.parallel.delayed_init import refill_rotary
 from smptk.parallel.moe import MoE
+from smptk.parallel.tensor_parallel import _GatherSequence
 
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
@@ -220,8 +223,9 @@ def _check_split_sizes(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
             )
 
 
-def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
-    """An smptk MoE holding ``block``'s weights (same device and dtype; checked by _check_moe_block)."""
+def _swap_moe(block: nn.Module, cfg: Any, tp_mesh: Any = None) -> MoE:
+    """An smptk MoE holding ``block``'s weights (same device and dtype; checked by _check_moe_block);
+    ``tp_mesh``: sequence parallelism over it (the layer gathers the sequence and runs whole)."""
     gate_up, down, router = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
     E, F2, H = gate_up.shape
     F = F2 // 2
@@ -229,7 +233,7 @@ def _swap_moe(block: nn.Module, cfg: Any) -> MoE:
     aux = getattr(cfg, "router_aux_loss_coef", 0.0) if getattr(cfg, "output_router_logits", False) else 0.0
     moe = MoE(
         H, F, E, int(cfg.num_experts_per_tok), score_func="softmax", renormalize=renormalize,
-        device=gate_up.device, dtype=gate_up.dtype,
+        sequence_parallel=tp_mesh is not None, tp_mesh=tp_mesh, device=gate_up.device, dtype=gate_up.dtype,
     )  # fmt: skip
     # Hugging Face's load-balancing loss pools the layers (see moe_aux_loss): each layer records its tokens'
     # router probabilities, the model's pre-hook the call's attention mask, and moe_aux_loss combines them
@@ -304,22 +308,6 @@ def _tp_plan(prefix: str, base: nn.Module, model: nn.Module, sp: bool) -> dict[s
     return plan
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather the sequence (dim 1) into a region whose column-parallel layers all-reduce their input
-    gradient already (``copy_to_group``): backward keeps this rank's piece of that full gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, tp: int, rank: int) -> torch.Tensor:
-        import smptk.comm.functional as cf
-
-        ctx.tp, ctx.rank = tp, rank
-        return cf.all_gather(x, group, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.tp, dim=1)[ctx.rank].contiguous(), None, None, None
-
-
 def _replace_hidden_states(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
     if args:
         return (fn(args[0]), *args[1:]), kwargs
@@ -337,7 +325,7 @@ def _gather_sequence(module: nn.Module, group: Any, tp: int, rank: int) -> None:
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0] if args else kwargs["hidden_states"]
-        full = _GatherSequence.apply(x, group, tp, rank)
+        full = _GatherSequence.apply(x, group, tp, rank, 1)
         stack = contextlib.ExitStack()
         stack.enter_context(cf.saved_as_shard(full, x, group, dim=1))
         open_contexts.append(stack)
@@ -500,11 +488,6 @@ def transform(
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
     sp = sequence_parallel and tp > 1
-    if sp and sparse:
-        raise NotImplementedError(
-            f"sequence_parallel with {arch}'s MoE layers: smptk's MoE is whole on every tp rank and would "
-            "see different tokens on each; use sequence_parallel=False"
-        )
     if sp and not isinstance(getattr(model, "lm_head", None), nn.Linear):
         raise NotImplementedError(
             "sequence_parallel needs the causal LM head (it gathers the sequence back); "
@@ -526,7 +509,7 @@ def transform(
     setattr(model, _TRANSFORMED, True)  # every check passed: from here on the model is changed in place
     moe_layers = []
     for i in sparse:
-        base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg)
+        base.layers[i].mlp = _swap_moe(base.layers[i].mlp, cfg, state.submesh("tp") if sp else None)
         moe_layers.append(f"{prefix}layers.{i}.mlp")
     if moe_layers:  # the swapped blocks record no router logits; see moe_aux_loss
         swapped = [base.layers[i].mlp for i in sparse]
@@ -548,7 +531,8 @@ def transform(
         base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)
         for layer in base.layers:
             for module in (layer.self_attn, layer.mlp):
-                _gather_sequence(module, group, tp, rank)
+                if not isinstance(module, MoE):  # smptk's MoE gathers the sequence itself and runs whole
+                    _gather_sequence(module, group, tp, rank)
     module, dp_report = apply_data_parallel(
         model, state, modules=layers, use_smptk_collectives=use_smptk_collectives, ddp_options=ddp_options
     )
