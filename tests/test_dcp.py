@@ -472,3 +472,14 @@ def test_a_tensor_learning_rate_loads(tmp_path, stepped: bool) -> None:
     load_checkpoint(tmp_path / "c", model, other)
     assert torch.equal(other.param_groups[0]["lr"], torch.tensor(0.01))
     assert len(other.state) == (2 if stepped else 0)
+
+
+def test_a_damaged_metadata_file_is_named(tmp_path) -> None:
+    """A truncated .metadata (an interrupted save) surfaced as pickle's UnpicklingError, naming no path."""
+    save_checkpoint(tmp_path / "c", torch.nn.Linear(2, 2))
+    metadata = tmp_path / "c" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:20])
+    with pytest.raises(ValueError, match=r"\.metadata file could not be read .*damaged"):
+        checkpoint_keys(tmp_path / "c")
+    with pytest.raises(ValueError, match=r"\.metadata file could not be read"):
+        load_checkpoint(tmp_path / "c", torch.nn.Linear(2, 2))

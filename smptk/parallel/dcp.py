@@ -329,7 +329,14 @@ def checkpoint_keys(path: str | os.PathLike) -> list[str]:
         raise FileNotFoundError(
             f"path: {path!r} holds no DCP checkpoint (no .metadata file); save one with save_checkpoint"
         )
-    return list(FileSystemReader(path).read_metadata().state_dict_metadata)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # a truncated or foreign file: pickle's and torch's own errors name no path
+        raise ValueError(
+            f"path: {path!r}: its .metadata file could not be read ({type(e).__name__}: {e}); the checkpoint "
+            "is damaged (a save interrupted?) or not one DCP wrote"
+        ) from e
+    return list(metadata.state_dict_metadata)
 
 
 def load_checkpoint(
