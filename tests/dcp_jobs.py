@@ -294,6 +294,33 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     except ValueError as e:
         out["problems"]["regrouped, broadcast"] = [] if "split over" in str(e) else [str(e)]
 
+    # 12. Rank 0's optimizer dict stays as it was after the load and further steps: torch keeps rank 0's
+    # tensors of a parameter that is a plain tensor here (a layer off the tp mesh) as the optimizer's own,
+    # so training changed the caller's snapshot (a second load of it started from the trained state).
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from smptk.parallel import SmptkColwiseParallel
+
+    torch.manual_seed(7)
+    mixed = nn.ModuleDict({"a": nn.Linear(4, 4), "c": nn.Linear(4, 4)})
+    parallelize_module(mixed, state.submesh("tp"), {"a": SmptkColwiseParallel(gather_output=True)})
+    adam = torch.optim.Adam(mixed.parameters(), lr=LR)
+
+    def train(n: int) -> None:
+        for i in range(n):
+            adam.zero_grad()
+            mixed["c"](mixed["a"](torch.full((2, 4), float(i + 1)))).square().sum().backward()
+            adam.step()
+
+    train(1)
+    full = get_full_state_dict(mixed, adam)
+    snapshot = full["optim"]
+    kept = _map_tensors(snapshot, lambda t: t.clone())
+    adam = torch.optim.Adam(mixed.parameters(), lr=LR)
+    load_full_state_dict(mixed, full["model"] if rank == 0 else None, adam, snapshot if rank == 0 else None)
+    train(2)
+    out["problems"]["rank 0's dict untouched"] = [f"changed: {p}" for p in differences(snapshot, kept)]
+
     # 11. ``extra`` differing per rank: rank 0's is written (DCP used to keep another rank's).
     class Position:
         def __init__(self, value):

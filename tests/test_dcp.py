@@ -61,6 +61,7 @@ def test_loads_under_another_config_exactly(job, phase: str) -> None:
         "a parameter without state, broadcast",
         "regrouped, broadcast",
         "extra from rank 0",
+        "rank 0's dict untouched",
     ],
 )
 def test_full_state_dict_is_a_copy_and_a_wrong_shape_is_named(job, phase: str) -> None:
@@ -483,3 +484,32 @@ def test_a_damaged_metadata_file_is_named(tmp_path) -> None:
         checkpoint_keys(tmp_path / "c")
     with pytest.raises(ValueError, match=r"\.metadata file could not be read"):
         load_checkpoint(tmp_path / "c", torch.nn.Linear(2, 2))
+
+
+def test_nested_values_and_empty_groups_come_back_as_saved(tmp_path) -> None:
+    """A group's dict value came back flattened into dotted keys ('meta.tag'), and an empty group that was
+    not last came back without lr / betas (torch gave it the last saved group's settings: KeyError at the
+    next step)."""
+    model = torch.nn.Linear(3, 2)
+    groups = [
+        {"params": [], "lr": 0.5, "name": "spare"},
+        {"params": [model.weight], "lr": 0.1, "meta": {"tag": "decay", "layer": 3}},
+        {"params": [model.bias], "lr": 0.01, "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model, opt)
+    other = torch.optim.AdamW(
+        [
+            {"params": [], "lr": 9.0},
+            {"params": [model.weight], "lr": 9.0},
+            {"params": [model.bias], "lr": 9.0},
+        ]
+    )
+    load_checkpoint(tmp_path / "c", model, other)
+    for got, want in zip(other.param_groups, opt.param_groups, strict=True):
+        assert {k: v for k, v in got.items() if k != "params"} == {
+            k: v for k, v in want.items() if k != "params"
+        }
+    other.step()  # every group has its betas

@@ -616,6 +616,9 @@ def case_moe_sequence_parallel(ctx: _Ctx, problems: list[str]) -> None:
             ("tp_mesh", "sequence_parallel=True"), lambda: MoE(8, 12, 4, tp_mesh=ctx.mesh))  # fmt: skip
     _raises(problems, "MoE sequence_dim on the features", ValueError, ("sequence_dim 2", "(2, 3, 8)"),
             lambda: on_features(torch.randn(2, 3, 8)))  # fmt: skip
+    blocks = distribute_tensor(torch.randn(2, 2 * T, 8), ctx.mesh, [Shard(1)])
+    _raises(problems, "MoE sequence_parallel DTensor input", TypeError, ("a DTensor", "x.to_local()"),
+            lambda: MoE(8, 12, 4, sequence_parallel=True, tp_mesh=ctx.mesh)(blocks))  # fmt: skip
 
 
 def _raises(

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import os
 import warnings
 from collections.abc import Mapping
@@ -63,6 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from smptk.parallel.shard_init import local as _local
 
@@ -362,7 +364,9 @@ def load_checkpoint(
         model: the model, prepared for this run (tensor parallelism, FSDP2 or DDP) and with the same
             parameter names as the saved one.
         optimizer: its optimizer (same class and parameter groups as the saved one; groups are matched
-            by their parameters' names, not their order), or None to load the model only.
+            by their parameters' names, not their order), or None to load the model only. An LR
+            scheduler's state (in ``extra``) is per group position, as torch keeps it: build the groups in
+            the saved order when one is resumed (a LambdaLR's ``base_lrs`` would go to the other groups).
         strict: every parameter of ``model`` must be in the checkpoint (and nothing else in
             the model part of it), and each parameter group must hold the parameters of one saved group;
             False loads what matches and warns naming what it did not (a group holding only parameters the
@@ -422,17 +426,30 @@ def _saved_groups_template(path: str, saved_groups: list[int]) -> list[dict[str,
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = FileSystemReader(path).read_metadata()
+    paths = metadata.planner_data or {}  # each flattened key's path in the saved state dict
     groups: list[dict[str, Any]] = [{} for _ in saved_groups]
-    for key, meta in saved.items():
+    for key, meta in metadata.state_dict_metadata.items():
         parts = key.split(".", 3)
-        if key.startswith(f"{OPTIM_KEY}.param_groups.") and len(parts) == 4:
-            value = (
-                torch.empty(meta.size, dtype=meta.properties.dtype)
-                if isinstance(meta, TensorStorageMetadata)
-                else None
-            )
-            groups[saved_groups.index(int(parts[2]))][parts[3]] = value
+        if not (key.startswith(f"{OPTIM_KEY}.param_groups.") and len(parts) == 4):
+            continue
+        value = (
+            torch.empty(meta.size, dtype=meta.properties.dtype)
+            if isinstance(meta, TensorStorageMetadata)
+            else None
+        )
+        # A nested value (a dict of the user's in a group) is flattened by DCP: rebuilt along its path.
+        where = paths.get(key, (OPTIM_KEY, "param_groups", int(parts[2]), parts[3]))
+        node: Any = groups[saved_groups.index(int(where[2]))]
+        for step, nxt in itertools.pairwise(where[3:]):
+            if isinstance(node, list):
+                node.extend([None] * (step + 1 - len(node)))
+            if (node[step] if isinstance(node, list) else node.get(step)) is None:
+                node[step] = [] if isinstance(nxt, int) else {}
+            node = node[step]
+        if isinstance(node, list):
+            node.extend([None] * (where[-1] + 1 - len(node)))
+        node[where[-1]] = value
     return groups
 
 
@@ -507,6 +524,12 @@ def _load(
         set_optimizer_state_dict(
             model, optimizer, state[OPTIM_KEY], options=StateDictOptions(strict=strict_optim)
         )
+    if optimizer is not None:
+        # torch gives an empty group (no parameters) the settings of the last saved group, not of the empty
+        # one it matched (torch 2.13's _split_optim_state_dict): put the matched ones back.
+        for group, settings in zip(optimizer.param_groups, regrouped, strict=True):
+            if not group["params"]:
+                group.update({k: v for k, v in settings.items() if k != "params"})
     if optimizer is not None and not saved_state:
         optimizer.state.clear()  # as a new optimizer: its first step makes the state
     for name, obj in (extra or {}).items():
@@ -691,13 +714,24 @@ def load_full_state_dict(
     if optimizer is not None:
         # Torch keeps rank 0's 0-d tensors (Adam's "step") as the optimizer's own: the caller's dict would
         # count up with training. Copies of those (a few bytes each) leave it as it was.
-        given = (
-            _map_tensors(
-                {**optimizer_state, "param_groups": groups}, lambda t: t.clone() if t.dim() == 0 else t
-            )
-            if rank0
-            else {}
-        )
+        # The same for every tensor of a parameter that is a plain tensor here (not sharded: a router, a
+        # layer off the tp mesh): torch keeps rank 0's as the optimizer's own, and training would change
+        # the caller's snapshot (a second load of it then started from the trained state).
+        plain = {
+            name
+            for group, saved in zip(optimizer.param_groups, current, strict=True)
+            for p, name in zip(group["params"], saved["params"], strict=True)
+            if not isinstance(p, DTensor)
+        }
+        given = {}
+        if rank0:
+            per_param = {
+                name: _map_tensors(
+                    st, lambda t, whole=name in plain: t.clone() if whole or t.dim() == 0 else t
+                )
+                for name, st in optimizer_state["state"].items()
+            }
+            given = {**optimizer_state, "state": per_param, "param_groups": groups}
         # A parameter without saved state (no gradient before the save; every one for an optimizer that had
         # not stepped) loads without state, as load_checkpoint's: torch makes some (a step at lr 0: Adam's
         # count 1, moments wd * p) and keeps it for what rank 0's dict lacks, and its strict check refuses.

@@ -265,7 +265,8 @@ class MoE(nn.Module):
             and returns this rank's block, so its gradients and aux loss are the unsharded layer's on
             every tp rank. Without it, under tensor parallelism every tp rank must pass the same tokens.
         sequence_dim: the input's sequence dimension (``[b, s, H]``: 1; ``[s, b, H]``: 0); its length
-            is the same on every tp rank.
+            must be the same on every tp rank (not checked: a collective per forward; unequal blocks
+            fail in the all-gather, or worse on some backends).
         tp_mesh: the 1-D tensor-parallel mesh of ``sequence_parallel`` (default: the current state's
             ``tp`` submesh).
         device, dtype: of the parameters.
@@ -479,6 +480,11 @@ class MoE(nn.Module):
         nothing needs summing over tp afterwards)."""
         from smptk.parallel.tensor_parallel import _GatherSequence, _seq_dim
 
+        if isinstance(x, DTensor):
+            raise TypeError(
+                "x: a DTensor; with sequence_parallel pass this rank's sequence block as a plain tensor "
+                "(x.to_local())"
+            )
         dim = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
         mesh = self.tp_mesh
         size, rank, n = mesh.size(), mesh.get_local_rank(), x.shape[dim]

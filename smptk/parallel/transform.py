@@ -439,9 +439,9 @@ def transform(
         sequence_parallel: with tensor parallelism, split the residual stream between the decoder layers
             along the sequence (dim 1) over ``tp`` (Megatron's sequence parallelism): the norms run on
             ``1 / tp`` of the tokens and the activations between the tensor-parallel regions shrink by
-            ``tp``. Needs a causal LM head, dense MLPs (not MoE) and sequence lengths divisible by
-            ``tp`` in every forward, eval too (so no ``generate()``: its decode steps feed one token);
-            nothing changes at ``tp`` 1.
+            ``tp`` (a MoE layer gathers the sequence and runs whole). Needs a causal LM head and
+            sequence lengths divisible by ``tp`` in every forward, eval too (so no ``generate()``: its
+            decode steps feed one token); nothing changes at ``tp`` 1.
         use_smptk_collectives, ddp_options: passed to :func:`~smptk.parallel.apply_data_parallel`.
 
     Returns:
