@@ -338,16 +338,21 @@ def _ab() -> torch.nn.ModuleDict:
     return torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3)})
 
 
-@pytest.mark.parametrize("stepped", [False, True])
-def test_parameter_groups_are_matched_by_name_not_position(tmp_path, stepped: bool) -> None:
-    """Groups saved as [a, b] loaded into an optimizer built as [b, a]: each gets its own lr and decay.
-    Saved before the first step, torch matched them by position (b got a's lr 0.1 and no decay, silently)."""
+def _save_ab(path, stepped: bool) -> None:
+    """Save an ``_ab`` model with its groups [a, b] (``_two_groups``), after one step or before any."""
     model = _ab()
     opt = _two_groups(model, "ab")
     if stepped:
         (model.a(torch.ones(2, 3)) + model.b(torch.ones(2, 3))).sum().backward()
         opt.step()
-    save_checkpoint(tmp_path / "c", model, opt)
+    save_checkpoint(path, model, opt)
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_parameter_groups_are_matched_by_name_not_position(tmp_path, stepped: bool) -> None:
+    """Groups saved as [a, b] loaded into an optimizer built as [b, a]: each gets its own lr and decay.
+    Saved before the first step, torch matched them by position (b got a's lr 0.1 and no decay, silently)."""
+    _save_ab(tmp_path / "c", stepped)
     other = _ab()
     swapped = _two_groups(other, "ba")
     load_checkpoint(tmp_path / "c", other, swapped)
@@ -362,12 +367,7 @@ def test_parameter_groups_split_differently_are_refused_before_anything_loads(tm
     """Saved [a.*], [b.*]; the new optimizer groups [a.weight, b.weight], [a.bias, b.bias]. Torch's stepped
     load left group 0 without lr or betas (KeyError at the next step) and gave a.bias b's lr; now every
     mode refuses it, naming the group, with the model and the new optimizer left as they were."""
-    model = _ab()
-    opt = _two_groups(model, "ab")
-    if stepped:
-        (model.a(torch.ones(2, 3)) + model.b(torch.ones(2, 3))).sum().backward()
-        opt.step()
-    save_checkpoint(tmp_path / "c", model, opt)
+    _save_ab(tmp_path / "c", stepped)
     other = _ab()
     before = {n: p.detach().clone() for n, p in other.named_parameters()}
     for strict in (True, False):

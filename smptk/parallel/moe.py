@@ -85,6 +85,13 @@ from smptk.kernels.grouped_linear import grouped_linear, grouped_swiglu
 from smptk.kernels.moe_dispatch import MoEDispatchPlan, check_capacity_factor, moe_combine, moe_dispatch
 from smptk.kernels.moe_route import moe_route
 from smptk.parallel.shard_init import fill_shard, local
+from smptk.parallel.tensor_parallel import (
+    _check_bool,
+    _check_sequence_dim,
+    _GatherSequence,
+    _seq_dim,
+    _tp_mesh,
+)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -329,8 +336,6 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        from smptk.parallel.tensor_parallel import _check_bool, _check_sequence_dim, _tp_mesh
-
         self.sequence_parallel = _check_bool("sequence_parallel", sequence_parallel)
         self.sequence_dim = _check_sequence_dim(sequence_dim)
         if tp_mesh is not None and not self.sequence_parallel:
@@ -478,8 +483,6 @@ class MoE(nn.Module):
         blocks: the gradient reaching the layer is then the whole sequence's, equal on every tp rank, and
         so are its router's and experts' gradients and the aux loss (they are the unsharded layer's:
         nothing needs summing over tp afterwards)."""
-        from smptk.parallel.tensor_parallel import _GatherSequence, _seq_dim
-
         if isinstance(x, DTensor):
             raise TypeError(
                 "x: a DTensor; with sequence_parallel pass this rank's sequence block as a plain tensor "
