@@ -321,6 +321,26 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     train(2)
     out["problems"]["rank 0's dict untouched"] = [f"changed: {p}" for p in differences(snapshot, kept)]
 
+    # 13. An empty parameter group (no parameters) gets the saved one's settings on every rank: torch left
+    # the new optimizer's own (lr 9.0 where 0.5 was saved), as it does for load_checkpoint's.
+    def spare(lrs: list[float]) -> torch.optim.Optimizer:
+        a, c = list(mixed["a"].parameters()), list(mixed["c"].parameters())
+        return torch.optim.AdamW(
+            [{"params": [], "lr": lrs[0], "name": "spare"}, {"params": a, "lr": lrs[1]}, {"params": c}]
+        )
+
+    stepped = spare([0.5, 0.1])  # a stepped optimizer's: an unstepped one's groups came back right
+    mixed["c"](mixed["a"](torch.ones(2, 4))).sum().backward()
+    stepped.step()
+    saved_spare = get_full_state_dict(mixed, stepped)["optim"]
+    fresh = spare([9.0, 9.0])
+    load_full_state_dict(
+        mixed, full["model"] if rank == 0 else None, fresh, saved_spare if rank == 0 else None
+    )
+    got = [(g["lr"], g.get("name")) for g in fresh.param_groups]
+    want = [(0.5, "spare"), (0.1, None), (1e-3, None)]
+    out["problems"]["empty group's settings, broadcast"] = [] if got == want else [f"groups {got}"]
+
     # 11. ``extra`` differing per rank: rank 0's is written (DCP used to keep another rank's).
     class Position:
         def __init__(self, value):

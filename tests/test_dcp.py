@@ -62,6 +62,7 @@ def test_loads_under_another_config_exactly(job, phase: str) -> None:
         "regrouped, broadcast",
         "extra from rank 0",
         "rank 0's dict untouched",
+        "empty group's settings, broadcast",
     ],
 )
 def test_full_state_dict_is_a_copy_and_a_wrong_shape_is_named(job, phase: str) -> None:

@@ -693,19 +693,19 @@ def load_full_state_dict(
     # and broadcasts its verdict, so every rank raises (torch raises on rank 0 only for an unexpected key,
     # and fails on a shape mismatch without a name), with the names of the parameters that have state.
     current = _state_dicts(model, optimizer)[OPTIM_KEY]["param_groups"] if optimizer is not None else []
-    verdict: list[Any] = [None, None]
-    groups: list[dict] = []
+    verdict: list[Any] = [None, None, []]  # problem, names with state, the matched groups
     if rank0:
         verdict[0] = _full_state_problem(model, model_state, optimizer_state if optimizer else None, strict)
         if verdict[0] is None and optimizer is not None:
             try:  # matched by the parameters they hold, as load_checkpoint's
-                groups = _regroup(optimizer_state["param_groups"], current, strict)
+                verdict[2] = _regroup(optimizer_state["param_groups"], current, strict)
             except ValueError as e:
                 verdict[0] = str(e)
             verdict[1] = sorted(optimizer_state["state"])
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ValueError(verdict[0])
+    groups = verdict[2]
     options = options_cls(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     # torch's broadcast from rank 0 sends a non-contiguous view wrong (the split halves of a stacked
     # tensor arrived as other elements of its storage, torch 2.13): send contiguous copies of those.
@@ -747,6 +747,11 @@ def load_full_state_dict(
             set_optimizer_state_dict(model, optimizer, given, options=optim_options)
         for p in stateless:
             optimizer.state.pop(p, None)
+        # torch leaves an empty group (no parameters) with its own settings on every rank: as load_checkpoint
+        # does, the matched saved group's are put in.
+        for group, settings in zip(optimizer.param_groups, groups, strict=True):
+            if not group["params"]:
+                group.update({k: v for k, v in settings.items() if k != "params"})
 
 
 def _full_state_problem(
