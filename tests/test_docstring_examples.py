@@ -62,6 +62,8 @@ OBJECTS = [
     "smptk.parallel.dcp:checkpoint_keys",
     "smptk.parallel.dcp:get_full_state_dict",
     "smptk.parallel.dcp:save_checkpoint",
+    "smptk.parallel.transform:hf_layout",
+    "smptk.parallel.transform:smptk_layout",
 ]
 
 

@@ -19,6 +19,7 @@ transformers >= 5.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -112,6 +113,47 @@ def test_one_rank_mixtral_on_smptk_kernels(one_rank, monkeypatch) -> None:
     grads = jobs.hf_named_grads(module)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _experts(gate_up=(4, 16, 8), down=(4, 8, 8), router=(4, 8), prefix="m.mlp.") -> dict[str, torch.Tensor]:
+    shapes = {"experts.gate_up_proj": gate_up, "experts.down_proj": down, "gate.weight": router}
+    return {prefix + k: torch.randn(v) for k, v in shapes.items() if v is not None}
+
+
+def test_layout_round_trip_and_malformed_blocks() -> None:
+    """``hf_layout(smptk_layout(sd))`` is ``sd``; a block missing a tensor or of the wrong rank / an odd
+    stacked width raises ValueError naming it (was a bare KeyError, or a silent uneven split: w_gate 64
+    rows, w_up 65), and a non-mapping a TypeError."""
+    sd = {**_experts(), "m.norm.weight": torch.ones(8)}
+    back = sp.hf_layout(sp.smptk_layout(sd))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    bad_hf = [
+        (_experts(down=None), re.escape("gate_up_proj is there but not ['m.mlp.experts.down_proj']")),
+        (_experts(router=None), re.escape("not ['m.mlp.gate.weight']")),
+        (_experts(gate_up=(4, 17, 8)), r"m.mlp.experts.gate_up_proj: expected \[E, 2F, H\].*\(4, 17, 8\)"),
+        (_experts(gate_up=(16, 8)), r"expected \[E, 2F, H\].*\(16, 8\)"),
+    ]
+    for given, text in bad_hf:
+        with pytest.raises(ValueError, match=text):
+            sp.smptk_layout(given)
+    ours = sp.smptk_layout(_experts())
+    bad_ours = [
+        ({k: v for k, v in ours.items() if not k.endswith("w_up")}, re.escape("not ['m.mlp.experts.w_up']")),
+        (
+            {k: v for k, v in ours.items() if not k.endswith("router_weight")},
+            re.escape("not ['m.mlp.router_weight']"),
+        ),
+        (
+            {**ours, "m.mlp.experts.w_up": torch.zeros(4, 7, 8)},
+            r"\(4, 8, 8\) and m.mlp.experts.w_up \(4, 7, 8\)",
+        ),
+    ]
+    for given, text in bad_ours:
+        with pytest.raises(ValueError, match=text):
+            sp.hf_layout(given)
+    for fn in (sp.hf_layout, sp.smptk_layout):
+        with pytest.raises(TypeError, match=r"expected a \{name: tensor\} mapping, got list"):
+            fn(list(sd.items()))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral"])

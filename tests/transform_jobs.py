@@ -25,6 +25,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   state dict has no ``lm_head.weight``): the big-model flow: built under ``torch.device("meta")``,
   transformed, materialized, then ``load_hf_state_dict`` with rank 0's Hugging Face state dict (the
   rotary tables recomputed): every parameter, the logits and the loss equal the Hugging Face model's.
+- ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
+  None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
+- ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
 - (4 ranks) ``tp2_dp2_sp_llama``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing;
   ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
   of each tp group. The two ranks of a tp group feed one batch.
@@ -310,8 +313,77 @@ def _bad_input(problems: list[str]) -> None:
             problems.append(f"refusal {kind} {overrides}: {problem}")
 
 
+def _bad_hf_state(problems: list[str]) -> None:
+    """A Hugging Face state dict rank 0 alone holds, wrong: every rank raises, in the names the caller
+    passed, and nothing loads (rank 0 raised alone, a KeyError from the layout change, and the other rank
+    waited in the broadcast; a wrong shape was named in smptk's names). An untransformed model loads the
+    stock layout as it is (it was put in smptk's, and refused)."""
+    import smptk.parallel as sp
+
+    rank0 = dist.get_rank() == 0
+    stock = build("mixtral")
+    good = stock.state_dict()
+    block = "model.layers.0.mlp."
+    gate_up = good[block + "experts.gate_up_proj"]
+    cases = [
+        ({k: v for k, v in good.items() if k != block + "experts.down_proj"}, ValueError,
+         f"missing ['{block}experts.down_proj']"),
+        (None, TypeError, "rank 0 must pass the Hugging Face state dict"),
+        ({**good, block + "experts.gate_up_proj": torch.cat([gate_up, gate_up[:, :1]], dim=1)}, ValueError,
+         f"{block}experts.gate_up_proj: {(gate_up.shape[0], gate_up.shape[1] + 1, gate_up.shape[2])}, "
+         f"the model's {tuple(gate_up.shape)}"),
+        ({k: v for k, v in good.items() if k != block + "gate.weight"}, ValueError,
+         f"missing ['{block}gate.weight']"),
+    ]  # fmt: skip
+    state = sp.init({"mixed_precision": "fp32", "expert_parallel_degree": 2})
+    module, _ = sp.transform(build("mixtral"), state=state)
+    before = copy.deepcopy(hf_named(module))
+    for i, (given, kind, text) in enumerate(cases):
+        problem = expect_raises(lambda: sp.load_hf_state_dict(module, given if rank0 else None), kind, text)  # noqa: B023
+        if problem is not None:
+            problems.append(f"bad state {i}: {problem}")
+    for name, p in hf_named(module).items():
+        if not torch.equal(p, before[name]):
+            problems.append(f"{name} changed by a refused load")
+    untransformed = copy.deepcopy(stock)
+    with torch.no_grad():
+        for p in untransformed.parameters():
+            p.zero_()
+    sp.load_hf_state_dict(untransformed, good if rank0 else None)
+    for name, p in untransformed.state_dict().items():
+        _close(problems, f"untransformed {name}", p, good[name])
+
+
+def _frozen_norms(problems: list[str]) -> None:
+    """Norms frozen before transform stay frozen under tp 2 with sequence parallelism (torch's
+    SequenceParallel style made them new, trainable Parameters: they trained, silently), Qwen3's per-head
+    q / k norms included; an SGD step leaves them as they were and trains the rest."""
+    import smptk.parallel as sp
+
+    model = build("qwen3")
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    module, _ = sp.transform(
+        model, {"mixed_precision": "fp32", "tensor_parallel_degree": 2}, sequence_parallel=True
+    )
+    got = {n: p.requires_grad for n, p in module.named_parameters()}
+    if got != flags:
+        problems.append(f"requires_grad changed: {sorted(n for n in flags if got.get(n) != flags[n])}")
+    before = copy.deepcopy(hf_named(module))
+    opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.5)
+    ids = _batch(0, 0, seq=SEQ + 1)
+    module(ids, labels=ids).loss.backward()
+    opt.step()
+    after = hf_named(module)
+    moved = sorted(n for n in after if not torch.equal(after[n], before[n]))
+    if sorted(n for n in moved if "norm" in n) or not moved:
+        problems.append(f"parameters changed by the step: {moved}")
+
+
 MOE_KINDS = ("mixtral", "qwen3_moe")
-MOE_CASES = ("tp2_mixtral", "tp2_sp_mixtral", "ep2_mixtral", "meta_ep2_mixtral")
+MOE_CASES = ("tp2_mixtral", "tp2_sp_mixtral", "ep2_mixtral", "meta_ep2_mixtral", "bad_hf_state")
 AUX_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 CASES = {
     "tp2_llama": lambda p: _train(
@@ -349,6 +421,8 @@ CASES = {
         p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False, **AUX_LOSS
     ),
     "bad_input": _bad_input,
+    "frozen_norms": _frozen_norms,
+    "bad_hf_state": _bad_hf_state,
 }
 
 

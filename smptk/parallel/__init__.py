@@ -41,7 +41,8 @@ DESIGN.md, "Public surface"); what is here today:
   and data parallelism and activation checkpointing as the config says (:class:`TransformReport`;
   :func:`moe_aux_loss` for the MoE layers' load-balancing loss, :func:`hf_state_dict` to save it back in
   the Hugging Face layout, :func:`load_hf_state_dict` to load Hugging Face weights into a meta-built,
-  transformed, materialized model).
+  transformed, materialized model, :func:`hf_layout` / :func:`smptk_layout` to convert a state dict's
+  MoE names and layouts either way).
 """
 
 from smptk.parallel.checkpointing import ActivationOffloader, apply_activation_checkpointing
@@ -70,9 +71,11 @@ from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLine
 from smptk.parallel.tp_styles import SmptkColwiseParallel, SmptkRowwiseParallel, SmptkVocabParallel
 from smptk.parallel.transform import (
     TransformReport,
+    hf_layout,
     hf_state_dict,
     load_hf_state_dict,
     moe_aux_loss,
+    smptk_layout,
     transform,
 )
 
@@ -99,6 +102,7 @@ __all__ = [
     "clip_grad_norm_",
     "current",
     "get_full_state_dict",
+    "hf_layout",
     "hf_state_dict",
     "init",
     "is_initialized",
@@ -109,6 +113,7 @@ __all__ = [
     "moe_aux_loss",
     "reset",
     "save_checkpoint",
+    "smptk_layout",
     "transform",
     "vocab_parallel_cross_entropy",
 ]

@@ -667,6 +667,20 @@ def load_full_state_dict(
         >>> torch.equal(model.weight.full_tensor(), nn.Linear(4, 2).weight)   # ...rank 0's on every rank
         True
     """
+    _load_full(model, model_state, optimizer, optimizer_state, strict, None)
+
+
+def _load_full(
+    model: nn.Module,
+    model_state: Any,
+    optimizer: torch.optim.Optimizer | None,
+    optimizer_state: Any,
+    strict: bool,
+    problem: Exception | None,
+) -> None:
+    """:func:`load_full_state_dict`; ``problem``: what rank 0's caller already found wrong with its dicts
+    (every rank raises it, as every rank raises what this finds: rank 0 raising alone left the others
+    waiting in the broadcast)."""
     _check_model_optimizer(model, optimizer)
     options_cls = _check_broadcast_support()
     if not _distributed():
@@ -675,12 +689,12 @@ def load_full_state_dict(
             "in one process call model.load_state_dict(model_state) instead"
         )
     rank0 = dist.get_rank() == 0
-    if rank0 and not isinstance(model_state, Mapping):
-        raise TypeError(
+    if rank0 and problem is None and not isinstance(model_state, Mapping):
+        problem = TypeError(
             f"model_state: rank 0 must pass the full state dict, got {type(model_state).__name__}"
         )
-    if rank0 and optimizer is not None and not isinstance(optimizer_state, Mapping):
-        raise TypeError(
+    if rank0 and problem is None and optimizer is not None and not isinstance(optimizer_state, Mapping):
+        problem = TypeError(
             "optimizer_state: rank 0 must pass the full optimizer state dict when an optimizer is given, "
             f"got {type(optimizer_state).__name__}"
         )
@@ -693,18 +707,20 @@ def load_full_state_dict(
     # and broadcasts its verdict, so every rank raises (torch raises on rank 0 only for an unexpected key,
     # and fails on a shape mismatch without a name), with the names of the parameters that have state.
     current = _state_dicts(model, optimizer)[OPTIM_KEY]["param_groups"] if optimizer is not None else []
-    verdict: list[Any] = [None, None, []]  # problem, names with state, the matched groups
-    if rank0:
-        verdict[0] = _full_state_problem(model, model_state, optimizer_state if optimizer else None, strict)
-        if verdict[0] is None and optimizer is not None:
-            try:  # matched by the parameters they hold, as load_checkpoint's
+    verdict: list[Any] = [problem, None, []]  # problem (an exception), names with state, the matched groups
+    if rank0 and problem is None:
+        try:
+            found = _full_state_problem(model, model_state, optimizer_state if optimizer else None, strict)
+            verdict[0] = None if found is None else ValueError(found)
+            if verdict[0] is None and optimizer is not None:
+                # matched by the parameters they hold, as load_checkpoint's
                 verdict[2] = _regroup(optimizer_state["param_groups"], current, strict)
-            except ValueError as e:
-                verdict[0] = str(e)
-            verdict[1] = sorted(optimizer_state["state"])
+                verdict[1] = sorted(optimizer_state["state"])
+        except Exception as e:  # anything rank 0 trips on reaches every rank (a built-in type pickles)
+            verdict[0] = e if type(e) in (ValueError, TypeError, KeyError) else RuntimeError(f"rank 0: {e!r}")
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        raise ValueError(verdict[0])
+        raise verdict[0]
     groups = verdict[2]
     options = options_cls(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     # torch's broadcast from rank 0 sends a non-contiguous view wrong (the split halves of a stacked

@@ -518,7 +518,13 @@ def transform(
     tensor_parallel: list[str] = []
     if tp > 1:
         tp_mesh = state.submesh("tp")
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         parallelize_module(model, tp_mesh, plan)
+        # torch's SequenceParallel (the norms' style) makes new Parameters, trainable: a norm frozen before
+        # stays frozen, as the MoE weights and smptk's styles keep theirs
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
         tensor_parallel = list(plan)
 
     expert_parallel = apply_expert_parallel(model, state) if moe_layers and state.sizes["ep"] > 1 else []
@@ -548,17 +554,48 @@ def transform(
     return module, report
 
 
-def hf_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _check_mapping(tensors: object, fn: str) -> None:
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"{fn}: expected a {{name: tensor}} mapping, got {type(tensors).__name__}")
+
+
+def _lacking(tensors: Mapping[str, Any], names: list[str], have: str) -> None:
+    lacking = [n for n in names if n not in tensors]
+    if lacking:
+        raise ValueError(f"{have} is there but not {lacking}: a sparse block's experts need all of them")
+
+
+def hf_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of a transformed model (full tensors) in the Hugging Face model's names and
     layouts: each smptk MoE's ``router_weight`` back to ``gate.weight``, ``experts.w_gate`` and ``w_up``
     concatenated into ``experts.gate_up_proj`` ``[E, 2F, H]``, ``experts.w_down`` to ``experts.down_proj``;
-    every other name is already the model's own. A new dict; the tensors are not copied."""
+    every other name is already the model's own. A new dict; the tensors are not copied. A block missing
+    one of its four tensors, or ``w_gate`` and ``w_up`` of different shapes, raise ValueError.
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.parallel import hf_layout
+        >>> sd = {"mlp.experts.w_gate": torch.zeros(4, 8, 16), "mlp.experts.w_up": torch.ones(4, 8, 16),
+        ...       "mlp.experts.w_down": torch.zeros(4, 16, 8), "mlp.router_weight": torch.zeros(4, 16)}
+        >>> for name, t in hf_layout(sd).items():
+        ...     print(name, tuple(t.shape))
+        mlp.experts.gate_up_proj (4, 16, 16)
+        mlp.experts.down_proj (4, 16, 8)
+        mlp.gate.weight (4, 16)
+    """
+    _check_mapping(tensors, "hf_layout")
     out = dict(tensors)
     for name in [n for n in tensors if n.endswith(".experts.w_gate")]:
         block = name[: -len("experts.w_gate")]
-        out[block + "experts.gate_up_proj"] = torch.cat(
-            [out.pop(block + "experts.w_gate"), out.pop(block + "experts.w_up")], dim=1
-        )
+        _lacking(out, [block + k for k in ("experts.w_up", "experts.w_down", "router_weight")], name)
+        gate, up = out.pop(name), out.pop(block + "experts.w_up")
+        if gate.dim() != 3 or gate.shape != up.shape:
+            raise ValueError(
+                f"{name} {tuple(gate.shape)} and {block}experts.w_up {tuple(up.shape)}: expected two "
+                "[E, F, H] tensors of one shape"
+            )
+        out[block + "experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[block + "experts.down_proj"] = out.pop(block + "experts.w_down")
         out[block + "gate.weight"] = out.pop(block + "router_weight")
     return out
@@ -567,16 +604,82 @@ def hf_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def smptk_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`hf_layout`: a Hugging Face state dict in a transformed model's names (each
     sparse block's ``experts.gate_up_proj`` ``[E, 2F, H]`` split into ``w_gate`` / ``w_up``, ``down_proj``
-    to ``w_down``, ``gate.weight`` to ``router_weight``). A new dict of views; nothing is copied."""
+    to ``w_down``, ``gate.weight`` to ``router_weight``). A new dict of views; nothing is copied. A block
+    missing ``down_proj`` or ``gate.weight``, or a ``gate_up_proj`` that is not ``[E, 2F, H]``, raise
+    ValueError.
+
+    Example::
+
+        >>> import torch
+        >>> from smptk.parallel import smptk_layout
+        >>> sd = {"mlp.experts.gate_up_proj": torch.zeros(4, 16, 16),
+        ...       "mlp.experts.down_proj": torch.zeros(4, 16, 8), "mlp.gate.weight": torch.zeros(4, 16)}
+        >>> for name, t in smptk_layout(sd).items():
+        ...     print(name, tuple(t.shape))
+        mlp.experts.w_gate (4, 8, 16)
+        mlp.experts.w_up (4, 8, 16)
+        mlp.experts.w_down (4, 16, 8)
+        mlp.router_weight (4, 16)
+    """
+    _check_mapping(tensors, "smptk_layout")
     out = dict(tensors)
     for name in [n for n in tensors if n.endswith(".experts.gate_up_proj")]:
         block = name[: -len("experts.gate_up_proj")]
+        _lacking(out, [block + "experts.down_proj", block + "gate.weight"], name)
         gate_up = out.pop(name)
+        if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+            raise ValueError(
+                f"{name}: expected [E, 2F, H] (the gate and up projections stacked), got "
+                f"{tuple(gate_up.shape)}"
+            )
         F = gate_up.shape[1] // 2
         out[block + "experts.w_gate"], out[block + "experts.w_up"] = gate_up[:, :F], gate_up[:, F:]
         out[block + "experts.w_down"] = out.pop(block + "experts.down_proj")
         out[block + "router_weight"] = out.pop(block + "gate.weight")
     return out
+
+
+def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tensor]:
+    """Rank 0's Hugging Face state dict checked against ``model`` in the Hugging Face names (the names the
+    caller passed) and put in the model's layout: the sparse blocks ``transform`` swapped in smptk's,
+    every other name as it is (an untransformed model loads as the stock one would)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from smptk.parallel.dcp import _some
+
+    if not isinstance(hf_state, Mapping):
+        raise TypeError(
+            f"hf_state: rank 0 must pass the Hugging Face state dict, got {type(hf_state).__name__}"
+        )
+    hf = dict(hf_state)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    embed_key = "model.embed_tokens.weight"
+    if tied and "lm_head.weight" not in hf and embed_key in hf:
+        # save_pretrained writes a tied head's weight once, as the embedding's: the strict load names both
+        hf["lm_head.weight"] = hf[embed_key]
+    own = get_model_state_dict(model)  # global shapes (DTensors carry them): nothing is gathered
+    shapes = {
+        k: tuple(v.shape)
+        for k, v in hf_layout({k: torch.empty(v.shape, device="meta") for k, v in own.items()}).items()
+    }
+    bad = [
+        f"{k}: {tuple(v.shape) if torch.is_tensor(v) else type(v).__name__}, the model's {shapes[k]}"
+        for k, v in hf.items()
+        if k in shapes and (not torch.is_tensor(v) or tuple(v.shape) != shapes[k])
+    ]
+    if bad:
+        raise ValueError("hf_state: tensors of the wrong shape: " + _some(bad))
+    missing, unexpected = sorted(set(shapes) - set(hf)), sorted(set(hf) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(
+            f"hf_state does not match the model's Hugging Face names: missing {_some(missing)}, unexpected "
+            f"{_some(unexpected)}"
+        )
+    blocks = tuple(n[: -len("experts.w_gate")] for n in own if n.endswith(".experts.w_gate"))
+    swapped = {k: v for k, v in hf.items() if k.startswith(blocks)} if blocks else {}
+    return {**{k: v for k, v in hf.items() if k not in swapped}, **smptk_layout(swapped)}
 
 
 def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | None) -> None:
@@ -613,17 +716,17 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
         >>> torch.allclose(model(ids).logits, stock(ids).logits, atol=1e-5)
         True
     """
-    from smptk.parallel.dcp import load_full_state_dict
+    import torch.distributed as dist
 
-    mapped = smptk_layout(hf_state) if isinstance(hf_state, Mapping) else None
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    tied = head is not None and embed is not None and head.weight is embed.weight
-    embed_key = "model.embed_tokens.weight"
-    if mapped is not None and tied and "lm_head.weight" not in mapped and embed_key in mapped:
-        # save_pretrained writes a tied head's weight once, as the embedding's: the strict load names both
-        mapped["lm_head.weight"] = mapped[embed_key]
-    load_full_state_dict(model, mapped, strict=True)
+    from smptk.parallel.dcp import _load_full
+
+    mapped, problem = None, None
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0:
+        try:  # rank 0's problem is every rank's: raised alone, it left the others in the broadcast
+            mapped = _in_model_layout(model, hf_state)
+        except (TypeError, ValueError) as e:
+            problem = e
+    _load_full(model, mapped, None, None, True, problem)
     refill_rotary(model)
 
 
