@@ -245,6 +245,40 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
         }
     parallel.reset()
     out["clip_edges"] = clip_edges(rank, world)
+    out["inference_first"] = inference_first()
+    return out
+
+
+def inference_first() -> dict[str, str | None]:
+    """A first forward under torch.inference_mode(), then training, under full shard and TP 2 x FSDP 2:
+    {config: None, or what failed}. Torch's FSDP2 made its unsharded parameters inference tensors at that
+    first forward: the TP one raised there ("Inference tensors do not track version counter"), the other
+    at the next training forward ("Inplace update to inference tensor")."""
+    import smptk.parallel as parallel
+    from smptk.parallel.fsdp import apply_data_parallel
+
+    out: dict[str, str | None] = {}
+    for tp in (1, 2):
+        state = parallel.init({"tensor_parallel_degree": tp, "mixed_precision": "fp32"})
+        model = build_model()
+        if tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, state.submesh("tp"), _tp_plan("smptk"))
+        model, _ = apply_data_parallel(model, state)
+        x, _ = batch(0)
+        try:
+            with torch.inference_mode():
+                first = model(x)
+            with torch.no_grad():
+                again = model(x)
+            model(x).sum().backward()
+            out[f"tp{tp}"] = (
+                None if torch.equal(first, again) else "inference_mode and no_grad outputs differ"
+            )
+        except RuntimeError as e:
+            out[f"tp{tp}"] = f"{type(e).__name__}: {e}"[:300]
+        parallel.reset()
     return out
 
 

@@ -89,6 +89,15 @@ def test_clip_infinity_norms_of_partial_and_nan_gradients(job) -> None:
         assert edges["neg_inf"] == 0.25, (rank, edges)
 
 
+def test_first_forward_under_inference_mode_then_training(job) -> None:
+    """See fsdp_jobs.inference_first: FSDP2's first forward under inference_mode broke the model."""
+    for rank in range(4):
+        assert job[rank]["inference_first"] == {"tp1": None, "tp2": None}, (
+            rank,
+            job[rank]["inference_first"],
+        )
+
+
 def test_delayed_init_materializes_the_one_process_values(job) -> None:
     """Built on meta, sharded by FSDP2 over 4 CPU ranks, then materialized: every parameter equals the one
     process model's initial value exactly (the FSDP-sharded torch layers' resets used to draw each shard

@@ -649,6 +649,7 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
         else:
             ar = "torch (FSDP2 all-reduces across dp_replicate itself; it takes no custom all-reduce)"
         reports.append(DataParallelUnit(name, "fsdp2", numel, ag, rs, ar, calls))
+    model.register_forward_pre_hook(_unshard_outside_inference_mode(model), prepend=True)
     return model, DataParallelReport(
         mode=mode,
         engine="fsdp2",
@@ -660,6 +661,27 @@ def _apply_fsdp2(model, state, mode, policy, modules, reshard_after_forward, use
         heap_bytes=int(comm.settings()["heap_bytes"]) if smptk_on else 0,
         units=reports,
     )
+
+
+def _unshard_outside_inference_mode(root: nn.Module):
+    """A root pre-forward hook: before the first forward under ``torch.inference_mode()``, every FSDP2
+    unit unshards and reshards once outside it. Torch 2.13's FSDP2 allocates a unit's unsharded parameters
+    at its first unshard; made under inference mode they are inference tensors, and FSDP2 failed ("Inference
+    tensors do not track version counter" with tensor-parallel parameters; otherwise "Inplace update to
+    inference tensor" at the next training forward). Collective, as the forward it precedes."""
+    done = []
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if done or not torch.is_inference_mode_enabled():
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for unit in root.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.unshard()
+                    unit.reshard()
+        done.append(True)
+
+    return hook
 
 
 def _keep_rank_local_buffers(model: nn.Module) -> None:
