@@ -326,7 +326,12 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     def spare(lrs: list[float]) -> torch.optim.Optimizer:
         a, c = list(mixed["a"].parameters()), list(mixed["c"].parameters())
         return torch.optim.AdamW(
-            [{"params": [], "lr": lrs[0], "name": "spare"}, {"params": a, "lr": lrs[1]}, {"params": c}]
+            [
+                {"params": [], "lr": lrs[0], "name": "spare"},
+                {"params": a, "lr": lrs[1]},
+                {"params": []},  # a second empty group takes the second saved one's (was refused: "split")
+                {"params": c},
+            ]
         )
 
     stepped = spare([0.5, 0.1])  # a stepped optimizer's: an unstepped one's groups came back right
@@ -334,11 +339,12 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     stepped.step()
     saved_spare = get_full_state_dict(mixed, stepped)["optim"]
     fresh = spare([9.0, 9.0])
+    fresh.param_groups[2]["lr"] = 9.0
     load_full_state_dict(
         mixed, full["model"] if rank == 0 else None, fresh, saved_spare if rank == 0 else None
     )
     got = [(g["lr"], g.get("name")) for g in fresh.param_groups]
-    want = [(0.5, "spare"), (0.1, None), (1e-3, None)]
+    want = [(0.5, "spare"), (0.1, None), (1e-3, None), (1e-3, None)]
     out["problems"]["empty group's settings, broadcast"] = [] if got == want else [f"groups {got}"]
 
     # 11. ``extra`` differing per rank: rank 0's is written (DCP used to keep another rank's).

@@ -496,6 +496,7 @@ def test_nested_values_and_empty_groups_come_back_as_saved(tmp_path) -> None:
         {"params": [], "lr": 0.5, "name": "spare"},
         {"params": [model.weight], "lr": 0.1, "meta": {"tag": "decay", "layer": 3}},
         {"params": [model.bias], "lr": 0.01, "weight_decay": 0.0},
+        {"params": [], "lr": 0.7},  # a second empty group (torch's loader refused two)
     ]
     opt = torch.optim.AdamW(groups)
     model(torch.ones(1, 3)).sum().backward()
@@ -506,6 +507,7 @@ def test_nested_values_and_empty_groups_come_back_as_saved(tmp_path) -> None:
             {"params": [], "lr": 9.0},
             {"params": [model.weight], "lr": 9.0},
             {"params": [model.bias], "lr": 9.0},
+            {"params": [], "lr": 9.0},
         ]
     )
     load_checkpoint(tmp_path / "c", model, other)

@@ -19,7 +19,10 @@ transformers >= 5.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -154,6 +157,36 @@ def test_layout_round_trip_and_malformed_blocks() -> None:
     for fn in (sp.hf_layout, sp.smptk_layout):
         with pytest.raises(TypeError, match=r"expected a \{name: tensor\} mapping, got list"):
             fn(list(sd.items()))
+    with pytest.raises(TypeError, match=re.escape("m.mlp.experts.gate_up_proj: expected a tensor, got list")):
+        sp.smptk_layout({**_experts(), "m.mlp.experts.gate_up_proj": [1.0]})
+    with pytest.raises(TypeError, match=re.escape("m.mlp.experts.w_up: expected a tensor, got NoneType")):
+        sp.hf_layout({**ours, "m.mlp.experts.w_up": None})
+
+
+def test_load_hf_state_dict_without_a_process_group() -> None:
+    """In one process without a process group the checked dict loads with load_state_dict (it said to
+    call model.load_state_dict, which a transformed MoE model's names refuse); a wrong one is named."""
+    script = """
+import torch, transformers, smptk.parallel as sp
+cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+torch.manual_seed(0)
+a, b = transformers.MixtralForCausalLM(cfg), transformers.MixtralForCausalLM(cfg)
+sp.load_hf_state_dict(b, a.state_dict())
+assert all(torch.equal(p, a.state_dict()[n]) for n, p in b.state_dict().items())
+try:
+    sp.load_hf_state_dict(b, {k: v for k, v in a.state_dict().items() if "down_proj" not in k})
+except ValueError as e:
+    assert "missing ['model.layers.0.mlp.experts.down_proj']" in str(e), e
+else:
+    raise AssertionError("no error")
+print("ok")
+"""
+    env = {**os.environ, "SMPTK_KERNELS": "torch"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "mixtral"])

@@ -353,6 +353,41 @@ def _bad_hf_state(problems: list[str]) -> None:
     for name, p in untransformed.state_dict().items():
         _close(problems, f"untransformed {name}", p, good[name])
 
+    # A module's extra state (a non-tensor entry) loads by name (rank 0 raised alone on its missing shape).
+    class Tagged(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tag = "new"
+
+        def get_extra_state(self):
+            return {"tag": self.tag}
+
+        def set_extra_state(self, state) -> None:
+            self.tag = state["tag"]
+
+    tagged = build("llama")
+    tagged.model.tagged = Tagged()
+    tagged.model.tagged.tag = "saved"
+    saved = tagged.state_dict()
+    tagged.model.tagged.tag = "new"
+    sp.load_hf_state_dict(tagged, saved if rank0 else None)
+    if tagged.model.tagged.tag != "saved":
+        problems.append(f"extra state: {tagged.model.tagged.tag!r}")
+
+    # Tied embeddings behind the DDP wrapper: a saved dict without lm_head.weight loads (the wrapper hid
+    # the tie: "missing ['lm_head.weight']").
+    tied = build("llama", tie_word_embeddings=True)
+    saved = {k: v for k, v in tied.state_dict().items() if k != "lm_head.weight"}
+    ddp, _ = sp.transform(
+        build("llama", tie_word_embeddings=True), {"mixed_precision": "fp32", "hybrid_shard_degree": 1}
+    )
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.zero_()
+    sp.load_hf_state_dict(ddp, saved if rank0 else None)
+    for name, p in ddp.module.state_dict().items():
+        _close(problems, f"tied under DDP {name}", p, tied.state_dict()[name])
+
 
 def _frozen_norms(problems: list[str]) -> None:
     """Norms frozen before transform stay frozen under tp 2 with sequence parallelism (torch's

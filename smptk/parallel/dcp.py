@@ -150,6 +150,27 @@ def _grads_set_aside(optimizer: torch.optim.Optimizer):
             p.grad = grad
 
 
+@contextlib.contextmanager
+def _empty_groups_set_aside(optimizer: torch.optim.Optimizer, groups: list[dict]):
+    """Torch's ``set_optimizer_state_dict`` takes at most one parameter group without parameters (two were
+    refused: "DSD only support exactly one param group with zero parameters") and gives it the last saved
+    group's settings. Inside the block the optimizer's empty groups are out of it, and the block gets
+    ``groups`` (the matched saved groups, in the optimizer's order) without theirs; after a load that did
+    not raise they come back in place, each with its matched group's settings."""
+    empty = [i for i, g in enumerate(optimizer.param_groups) if not g["params"]]
+    aside = [optimizer.param_groups[i] for i in empty]
+    optimizer.param_groups[:] = [g for i, g in enumerate(optimizer.param_groups) if i not in empty]
+    loaded = False
+    try:
+        yield [g for i, g in enumerate(groups) if i not in empty]
+        loaded = True
+    finally:
+        for i, group in zip(empty, aside, strict=True):
+            if loaded and groups:
+                group.update({k: v for k, v in groups[i].items() if k != "params"})
+            optimizer.param_groups.insert(i, group)
+
+
 def _check_materialized(model: nn.Module) -> None:
     """A meta tensor has no memory to load into: DCP would skip it and report nothing."""
     meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if _local(t).is_meta]
@@ -521,15 +542,11 @@ def _load(
     if optimizer is not None:
         # torch's strict check asks for state of every parameter that requires a gradient
         strict_optim = strict and not (saved_state and stateless)
-        set_optimizer_state_dict(
-            model, optimizer, state[OPTIM_KEY], options=StateDictOptions(strict=strict_optim)
-        )
-    if optimizer is not None:
-        # torch gives an empty group (no parameters) the settings of the last saved group, not of the empty
-        # one it matched (torch 2.13's _split_optim_state_dict): put the matched ones back.
-        for group, settings in zip(optimizer.param_groups, regrouped, strict=True):
-            if not group["params"]:
-                group.update({k: v for k, v in settings.items() if k != "params"})
+        with _empty_groups_set_aside(optimizer, regrouped) as nonempty:
+            state[OPTIM_KEY]["param_groups"] = nonempty
+            set_optimizer_state_dict(
+                model, optimizer, state[OPTIM_KEY], options=StateDictOptions(strict=strict_optim)
+            )
     if optimizer is not None and not saved_state:
         optimizer.state.clear()  # as a new optimizer: its first step makes the state
     for name, obj in (extra or {}).items():
@@ -557,6 +574,12 @@ def _names_with_state(keys: list[str]) -> set[str]:
     return out
 
 
+def _portable(e: Exception) -> Exception:
+    """``e`` as an exception every rank can unpickle from a broadcast: built-in types as they are, others
+    (whose constructors may take other arguments) as a RuntimeError naming them."""
+    return e if type(e) in (ValueError, TypeError, KeyError) else RuntimeError(f"rank 0: {e!r}")
+
+
 def _some(names: list[str]) -> str:
     return f"{names[:8]}{f' (and {len(names) - 8} more)' if len(names) > 8 else ''}"
 
@@ -572,10 +595,12 @@ def _regroup(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], s
     home = {n: i for i, g in enumerate(saved) for n in g["params"]}
     now = {n for g in current for n in g["params"]}
     empty = [i for i, g in enumerate(saved) if not g["params"]]
-    out, taken = [], {}
+    out, taken, empties = [], {}, 0
     for j, group in enumerate(current):
         names = list(group["params"])
-        homes = sorted({home[n] for n in names if n in home}) if names else empty[:1]
+        if not names:  # the k-th empty group takes the k-th saved one's settings
+            empties += 1
+        homes = sorted({home[n] for n in names if n in home}) if names else empty[empties - 1 : empties]
         if len(homes) > 1:
             raise ValueError(
                 f"optimizer: its parameter group {j} holds parameters of the checkpoint's groups {homes} "
@@ -716,8 +741,8 @@ def _load_full(
                 # matched by the parameters they hold, as load_checkpoint's
                 verdict[2] = _regroup(optimizer_state["param_groups"], current, strict)
                 verdict[1] = sorted(optimizer_state["state"])
-        except Exception as e:  # anything rank 0 trips on reaches every rank (a built-in type pickles)
-            verdict[0] = e if type(e) in (ValueError, TypeError, KeyError) else RuntimeError(f"rank 0: {e!r}")
+        except Exception as e:  # anything rank 0 trips on reaches every rank
+            verdict[0] = _portable(e)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise verdict[0]
@@ -759,15 +784,12 @@ def _load_full(
             if name not in with_state
         ]
         optim_options = dataclasses.replace(options, strict=strict and not stateless)
-        with _grads_set_aside(optimizer):
+        with _grads_set_aside(optimizer), _empty_groups_set_aside(optimizer, groups) as nonempty:
+            if rank0:
+                given["param_groups"] = nonempty
             set_optimizer_state_dict(model, optimizer, given, options=optim_options)
         for p in stateless:
             optimizer.state.pop(p, None)
-        # torch leaves an empty group (no parameters) with its own settings on every rank: as load_checkpoint
-        # does, the matched saved group's are put in.
-        for group, settings in zip(optimizer.param_groups, groups, strict=True):
-            if not group["params"]:
-                group.update({k: v for k, v in settings.items() if k != "params"})
 
 
 def _full_state_problem(

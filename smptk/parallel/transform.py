@@ -565,12 +565,19 @@ def _lacking(tensors: Mapping[str, Any], names: list[str], have: str) -> None:
         raise ValueError(f"{have} is there but not {lacking}: a sparse block's experts need all of them")
 
 
+def _tensors(*named: object) -> None:
+    for name, value in zip(named[::2], named[1::2], strict=True):
+        if not torch.is_tensor(value):
+            raise TypeError(f"{name}: expected a tensor, got {type(value).__name__}")
+
+
 def hf_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of a transformed model (full tensors) in the Hugging Face model's names and
     layouts: each smptk MoE's ``router_weight`` back to ``gate.weight``, ``experts.w_gate`` and ``w_up``
     concatenated into ``experts.gate_up_proj`` ``[E, 2F, H]``, ``experts.w_down`` to ``experts.down_proj``;
     every other name is already the model's own. A new dict; the tensors are not copied. A block missing
-    one of its four tensors, or ``w_gate`` and ``w_up`` of different shapes, raise ValueError.
+    one of its four tensors, or ``w_gate`` and ``w_up`` of different shapes, raise ValueError; a
+    non-mapping, or a non-tensor ``w_gate`` / ``w_up``, TypeError.
 
     Example::
 
@@ -590,6 +597,7 @@ def hf_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         block = name[: -len("experts.w_gate")]
         _lacking(out, [block + k for k in ("experts.w_up", "experts.w_down", "router_weight")], name)
         gate, up = out.pop(name), out.pop(block + "experts.w_up")
+        _tensors(name, gate, block + "experts.w_up", up)
         if gate.dim() != 3 or gate.shape != up.shape:
             raise ValueError(
                 f"{name} {tuple(gate.shape)} and {block}experts.w_up {tuple(up.shape)}: expected two "
@@ -606,7 +614,7 @@ def smptk_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     sparse block's ``experts.gate_up_proj`` ``[E, 2F, H]`` split into ``w_gate`` / ``w_up``, ``down_proj``
     to ``w_down``, ``gate.weight`` to ``router_weight``). A new dict of views; nothing is copied. A block
     missing ``down_proj`` or ``gate.weight``, or a ``gate_up_proj`` that is not ``[E, 2F, H]``, raise
-    ValueError.
+    ValueError; a non-mapping, or a non-tensor ``gate_up_proj``, TypeError.
 
     Example::
 
@@ -627,6 +635,7 @@ def smptk_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
         block = name[: -len("experts.gate_up_proj")]
         _lacking(out, [block + "experts.down_proj", block + "gate.weight"], name)
         gate_up = out.pop(name)
+        _tensors(name, gate_up)
         if gate_up.dim() != 3 or gate_up.shape[1] % 2:
             raise ValueError(
                 f"{name}: expected [E, 2F, H] (the gate and up projections stacked), got "
@@ -652,18 +661,18 @@ def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tens
             f"hf_state: rank 0 must pass the Hugging Face state dict, got {type(hf_state).__name__}"
         )
     hf = dict(hf_state)
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    head = getattr(inner, "lm_head", None)
+    embed = getattr(getattr(inner, "model", None), "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
     embed_key = "model.embed_tokens.weight"
     if tied and "lm_head.weight" not in hf and embed_key in hf:
         # save_pretrained writes a tied head's weight once, as the embedding's: the strict load names both
         hf["lm_head.weight"] = hf[embed_key]
     own = get_model_state_dict(model)  # global shapes (DTensors carry them): nothing is gathered
-    shapes = {
-        k: tuple(v.shape)
-        for k, v in hf_layout({k: torch.empty(v.shape, device="meta") for k, v in own.items()}).items()
-    }
+    meta = {k: torch.empty(v.shape, device="meta") if torch.is_tensor(v) else v for k, v in own.items()}
+    expected = hf_layout(meta)  # non-tensor entries (a module's extra state) by name only
+    shapes = {k: tuple(v.shape) for k, v in expected.items() if torch.is_tensor(v)}
     bad = [
         f"{k}: {tuple(v.shape) if torch.is_tensor(v) else type(v).__name__}, the model's {shapes[k]}"
         for k, v in hf.items()
@@ -671,7 +680,7 @@ def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tens
     ]
     if bad:
         raise ValueError("hf_state: tensors of the wrong shape: " + _some(bad))
-    missing, unexpected = sorted(set(shapes) - set(hf)), sorted(set(hf) - set(shapes))
+    missing, unexpected = sorted(set(expected) - set(hf)), sorted(set(hf) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"hf_state does not match the model's Hugging Face names: missing {_some(missing)}, unexpected "
@@ -689,8 +698,12 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it (with
     ``allow_uninitialized=True``: a Hugging Face model's norms have no ``reset_parameters``), then call this
     with the checkpoint's state dict on rank 0 (``safetensors.torch.load_file``...) and None elsewhere.
-    Rank 0's tensors are put in smptk's layout (:func:`smptk_layout`) and broadcast one at a time
-    (:func:`smptk.parallel.load_full_state_dict`, strict: every parameter must be there). The rotary
+    Rank 0's dict is checked against the model in the Hugging Face names (every tensor there, none more,
+    the global shapes; dtypes are cast to the model's), then the sparse blocks ``transform`` swapped are put
+    in smptk's layout (:func:`smptk_layout`; an untransformed model's names stay as they are) and the
+    tensors broadcast one at a time (:func:`smptk.parallel.load_full_state_dict`). Whatever rank 0 finds
+    wrong, every rank raises; nothing is loaded then. ``model`` may be the DDP wrapper; without a process
+    group (one process) the checked dict is loaded with ``model.load_state_dict``. The rotary
     tables, buffers no checkpoint holds and ``materialize`` leaves uninitialized, are recomputed from the
     model's config.
 
@@ -718,14 +731,18 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     """
     import torch.distributed as dist
 
-    from smptk.parallel.dcp import _load_full
+    from smptk.parallel.dcp import _load_full, _portable
 
+    if not (dist.is_available() and dist.is_initialized()):  # one process, no group: a plain load
+        model.load_state_dict(_in_model_layout(model, hf_state), strict=True)
+        refill_rotary(model)
+        return
     mapped, problem = None, None
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         try:  # rank 0's problem is every rank's: raised alone, it left the others in the broadcast
             mapped = _in_model_layout(model, hf_state)
-        except (TypeError, ValueError) as e:
-            problem = e
+        except Exception as e:
+            problem = _portable(e)
     _load_full(model, mapped, None, None, True, problem)
     refill_rotary(model)
 
