@@ -417,17 +417,18 @@ def test_a_checkpoint_without_model_state_is_refused_in_every_mode(tmp_path) -> 
 
 
 def test_a_failed_optimizer_load_leaves_a_new_optimizer_new(tmp_path) -> None:
-    """An SGD checkpoint into AdamW fails (no exp_avg saved); the AdamW used to keep the template's made-up
-    state (step 1), so a run that caught the error and went on trained off by 0.026 after a step."""
+    """An Adam checkpoint into an Adam with amsgrad fails (no max_exp_avg_sq saved); the new optimizer used
+    to keep the template's made-up state (step 1), so a run that caught the error and went on trained
+    off. (An optimizer of another class is refused before, by name.)"""
     model = torch.nn.Linear(3, 2)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
-    sgd.step()
-    save_checkpoint(tmp_path / "c", model, sgd)
-    adam = torch.optim.AdamW(model.parameters(), lr=0.1)
+    plain.step()
+    save_checkpoint(tmp_path / "c", model, plain)
+    amsgrad = torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True)
     with pytest.raises(RuntimeError, match=r"Missing key in checkpoint state_dict: optim\.state\.weight"):
-        load_checkpoint(tmp_path / "c", model, adam)
-    assert not adam.state
+        load_checkpoint(tmp_path / "c", model, amsgrad)
+    assert not amsgrad.state
 
 
 class _Positions:
@@ -516,3 +517,23 @@ def test_nested_values_and_empty_groups_come_back_as_saved(tmp_path) -> None:
             k: v for k, v in want.items() if k != "params"
         }
     other.step()  # every group has its betas
+
+
+def test_an_optimizer_of_another_class_is_refused(tmp_path) -> None:
+    """An AdamW checkpoint loaded into an Adam: the Adam silently took AdamW's settings (lr, weight decay,
+    decoupled_weight_decay) and state, though the docstring promised another class raises. Refused before
+    anything is copied; a checkpoint without optimizer loads as before."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model, opt, step=3)
+    assert load_checkpoint(tmp_path / "c", model, torch.optim.AdamW(model.parameters())) == 3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    other = torch.optim.Adam(model.parameters(), lr=0.5)
+    with pytest.raises(
+        ValueError, match=r"holds the state of a torch\.optim\.adamw\.AdamW, this optimizer is a torch"
+    ):
+        load_checkpoint(tmp_path / "c", model, other)
+    assert other.param_groups[0]["lr"] == 0.5 and not other.state
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor
 from smptk.parallel.shard_init import local as _local
 
 MODEL_KEY, OPTIM_KEY, STEP_KEY, EXTRA_KEY = "model", "optim", "step", "extra"
+OPTIM_CLASS_KEY = "optim_class"  # the optimizer's class, "module.QualName" (checkpoints since 2026-11-25)
 
 
 def _dcp():
@@ -264,6 +265,8 @@ def save_checkpoint(
     _check_extra(extra)
     _warn_pending_moe_counts(model)
     state = _state_dicts(model, optimizer)
+    if optimizer is not None:
+        state[OPTIM_CLASS_KEY] = _class_name(optimizer)
     if step is not None:
         state[STEP_KEY] = step
     if extra and (not _distributed() or dist.get_rank() == 0):
@@ -274,6 +277,10 @@ def save_checkpoint(
     Path(path).mkdir(parents=True, exist_ok=True)
     with _single_process_intended(), _checkpoint_errors(f"saving the checkpoint at {path!r}"):
         _dcp().save(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -324,7 +331,8 @@ def _warn_pending_moe_counts(model: nn.Module) -> None:
 
 
 def checkpoint_keys(path: str | os.PathLike) -> list[str]:
-    """The flattened keys a checkpoint holds (``model.<name>``, ``optim.state.<name>.<field>``, ``step``).
+    """The flattened keys a checkpoint holds (``model.<name>``, ``optim.state.<name>.<field>``,
+    ``optim_class``, ``step``).
 
     Reads only the ``.metadata`` file; FileNotFoundError names ``path`` when there is none.
 
@@ -343,7 +351,7 @@ def checkpoint_keys(path: str | os.PathLike) -> list[str]:
         >>> sorted(k for k in keys if not k.startswith("optim.param_groups."))  # and a key per group option
         ['model.bias', 'model.weight', 'optim.state.bias.exp_avg', 'optim.state.bias.exp_avg_sq',
          'optim.state.bias.step', 'optim.state.weight.exp_avg', 'optim.state.weight.exp_avg_sq',
-         'optim.state.weight.step', 'step']
+         'optim.state.weight.step', 'optim_class', 'step']
     """
     path = _check_path(path)
     from torch.distributed.checkpoint import FileSystemReader
@@ -376,8 +384,9 @@ def load_checkpoint(
     reads the slices its own parameters and optimizer state hold under the current config, from
     whatever pieces the saving config wrote. The optimizer may be new (no state yet) or not, and the
     parameters may hold gradients; the model must have memory (after ``materialize``, not on meta).
-    Mismatches (shapes, an optimizer of another class, parameter groups that do not hold the saved
-    groups' parameters) raise naming the keys, before anything is copied (a refused load leaves the model
+    Mismatches (shapes, an optimizer of another class than the saved one's, checked for checkpoints that
+    name it: saved by smptk since 2026-11-25; parameter groups that do not hold the saved groups'
+    parameters) raise naming the keys, before anything is copied (a refused load leaves the model
     and a new optimizer as they were); DCP's own errors come as RuntimeError.
 
     Args:
@@ -506,9 +515,18 @@ def _load(
         current_groups = [{**g, "params": list(g["params"])} for g in state[OPTIM_KEY]["param_groups"]]
         # The checkpoint's groups are read as saved (how many there are, which parameters each holds) and
         # matched to the optimizer's by those names below, not by position.
-        groups = {OPTIM_KEY: {"param_groups": _saved_groups_template(path, saved_groups)}}
+        groups: dict[str, Any] = {OPTIM_KEY: {"param_groups": _saved_groups_template(path, saved_groups)}}
+        if OPTIM_CLASS_KEY in keys:  # older checkpoints do not say
+            groups[OPTIM_CLASS_KEY] = ""
         with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
             _dcp().load(groups, checkpoint_id=path, no_dist=not _distributed())
+        saved_class = groups.get(OPTIM_CLASS_KEY)
+        if saved_class and saved_class != _class_name(optimizer):
+            # its settings (an AdamW's decoupled weight decay) would become this one's, its state ignored
+            raise ValueError(
+                f"optimizer: the checkpoint at {path!r} holds the state of a {saved_class}, this optimizer "
+                f"is a {_class_name(optimizer)}: load it into the class it was saved from"
+            )
         # Checked before the load (DCP copies into the model's own tensors): a refused load leaves the
         # model and optimizer as they were.
         regrouped = _regroup(groups[OPTIM_KEY]["param_groups"], current_groups, strict)
