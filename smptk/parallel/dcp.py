@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from smptk.parallel.shard_init import local as _local
 
 MODEL_KEY, OPTIM_KEY, STEP_KEY, EXTRA_KEY = "model", "optim", "step", "extra"
-OPTIM_CLASS_KEY = "optim_class"  # the optimizer's class, "module.QualName" (checkpoints since 2026-11-25)
+OPTIM_CLASS_KEY = "optim_class"  # the optimizer's class, "module.QualName" (absent from older checkpoints)
 
 
 def _dcp():
@@ -384,10 +384,10 @@ def load_checkpoint(
     reads the slices its own parameters and optimizer state hold under the current config, from
     whatever pieces the saving config wrote. The optimizer may be new (no state yet) or not, and the
     parameters may hold gradients; the model must have memory (after ``materialize``, not on meta).
-    Mismatches (shapes, an optimizer of another class than the saved one's, checked for checkpoints that
-    name it: saved by smptk since 2026-11-25; parameter groups that do not hold the saved groups'
-    parameters) raise naming the keys, before anything is copied (a refused load leaves the model
-    and a new optimizer as they were); DCP's own errors come as RuntimeError.
+    Mismatches (shapes, an optimizer of another class than the saved one's where the checkpoint names
+    it, as every one ``save_checkpoint`` writes with an optimizer does; parameter groups that do not
+    hold the saved groups' parameters) raise naming the keys, before anything is copied (a refused load
+    leaves the model and a new optimizer as they were); DCP's own errors come as RuntimeError.
 
     Args:
         path: the checkpoint directory.
