@@ -507,6 +507,62 @@ def world1(tmp_path):
         dist.destroy_process_group()
 
 
+class DropoutBlock(nn.Module):
+    """torch's dropouts (nn.Dropout, F.dropout, attention dropout inside SDPA) and one inside the state's
+    ``fork_rng("tp")`` region (a sequence-parallel activation's), each mask recorded."""
+
+    def __init__(self, state: parallel.ParallelState) -> None:
+        super().__init__()
+        self.state = state
+        self.qkv = nn.Linear(8, 24)
+        self.up = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+        self.masks: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True)
+        x = x + self.drop(a.transpose(1, 2).reshape(x.shape))
+        with self.state.fork_rng("tp"):
+            h = torch.nn.functional.dropout(self.up(x), 0.4)
+        self.masks.append(h == 0)
+        return x + torch.nn.functional.dropout(torch.nn.functional.gelu(h), 0.2)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offloaded"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_dropout_masks_and_gradients_as_without_checkpointing(world1, mode: str, offload: bool) -> None:
+    """The recompute draws the forward's masks: torch's dropouts (the checkpoint restores the default
+    generators) and those of a ``fork_rng`` region (its seed is a draw of the default generator), so the
+    losses and gradients of two steps equal the model's without checkpointing bit for bit; the region draws
+    a new mask in every block and step."""
+
+    def steps(mode: str) -> tuple[list, list]:
+        torch.manual_seed(0)
+        blocks = [DropoutBlock(world1) for _ in range(2)]
+        model = nn.Sequential(nn.Linear(4, 8), *blocks)
+        if mode != "none":
+            off = parallel.ActivationOffloader(2, offload_cpu=True) if offload else None
+            assert apply_activation_checkpointing(model, mode=mode, modules=[DropoutBlock], offloader=off)
+        x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(3)
+        out = []
+        for _ in range(2):
+            loss = model(x).square().sum()
+            loss.backward()
+            out.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            model.zero_grad()
+        return out, [m for b in blocks for m in b.masks[::-1][:2]]
+
+    plain, plain_masks = steps("none")
+    got, _ = steps(mode)
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, plain, strict=True):
+        assert torch.equal(loss, ref_loss)
+        for name, g in ref_grads.items():
+            assert torch.equal(grads[name], g), name
+    assert len({m.numpy().tobytes() for m in plain_masks}) == 4, "a new mask per block and step"
+
+
 class WithTP(nn.Module):
     def __init__(self, device=None) -> None:
         super().__init__()

@@ -387,6 +387,43 @@ def _check_seeds(seeds: list[dict], base: int) -> None:
         assert all(0 <= s[dims] < 2**63 for s in seeds)
 
 
+def test_fork_rng_masks_per_coordinate_new_every_call_and_the_default_generator_in_step() -> None:
+    """``fork_rng(*dims)`` draws agree between two ranks exactly when their coordinates on ``dims`` agree;
+    a second call draws anew; afterwards the default generator is where every rank has it (one draw past
+    where it was), so dropout of replicated activations outside the region keeps agreeing."""
+    values = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2, "expert_parallel_degree": 2}
+    draws = []
+    for rank in range(8):
+        with fake_world(8, rank):
+            state = parallel.init({**values, "random_seed": 11})
+            start = torch.get_rng_state()
+            row = {"coords": dict(state.coords)}
+            for dims in (("tp",), ("dp", "tp")):
+                with state.fork_rng(*dims):
+                    first = torch.rand(6)
+                with state.fork_rng(*dims):
+                    second = torch.rand(6)
+                assert not torch.equal(first, second), dims
+                row[dims] = first
+            after = []
+            for inside in (0, 100):  # what the region draws does not move the generator outside it
+                torch.set_rng_state(start)
+                with state.fork_rng("tp"):
+                    torch.rand(inside)
+                after.append(torch.rand(4))
+            assert torch.equal(after[0], after[1])
+            torch.set_rng_state(start)
+            assert not torch.equal(after[0], torch.rand(4))  # but every call moves it: the next call's masks
+            row["after"] = after[0]
+            draws.append(row)
+    for dims in (("tp",), ("dp", "tp")):
+        for a in draws:
+            for b in draws:
+                same = all(a["coords"][d] == b["coords"][d] for d in dims)
+                assert torch.equal(a[dims], b[dims]) == same, (dims, a["coords"], b["coords"])
+    assert all(torch.equal(d["after"], draws[0]["after"]) for d in draws)
+
+
 def test_comm_max_sms_applied_and_restored() -> None:
     before = comm.settings()["max_sms"]
     other = 3 if before != 3 else 5

@@ -38,7 +38,7 @@ COMMON = [
     "moe_sequence_parallel",
     "errors",
 ]
-JOB_CASES = {2: [*COMMON, "triton"], 4: [*COMMON, "fsdp"]}
+JOB_CASES = {2: [*COMMON, "triton", "dropout"], 4: [*COMMON, "fsdp"]}
 DEADLINE_S = {2: 150, 4: 180}
 ENV = {
     2: {"SMPTK_COMM_MAX_SMS": "1", "SMPTK_COMM_HEAP_BYTES": str(64 * 1024)},

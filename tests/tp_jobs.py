@@ -621,6 +621,90 @@ def case_moe_sequence_parallel(ctx: _Ctx, problems: list[str]) -> None:
             lambda: MoE(8, 12, 4, sequence_parallel=True, tp_mesh=ctx.mesh)(blocks))  # fmt: skip
 
 
+class _DropoutBlock(nn.Module):
+    """Column -> GELU -> dropout of its tp-sharded features -> row -> dropout of the row's output: in the
+    state's ``fork_rng("tp")`` region where that output is sequence-parallel (each tp rank's own tokens),
+    torch's default generator where it is replicated. ``masks`` keeps the two masks of every forward."""
+
+    def __init__(self, ctx: _Ctx, sequence_parallel: bool) -> None:
+        super().__init__()
+        from smptk.parallel import ColumnParallelLinear, RowParallelLinear
+
+        T = ctx.tp
+        self.state, self.sp = ctx.state, sequence_parallel
+        self.col = ColumnParallelLinear(4, 2 * T, sequence_parallel=sequence_parallel, mesh=ctx.mesh)
+        self.row = RowParallelLinear(2 * T, 4, sequence_parallel=sequence_parallel, mesh=ctx.mesh)
+        self.masks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.state.fork_rng("tp"):
+            h = F.dropout(F.gelu(self.col(x)), 0.5)
+        y = self.row(h)
+        if self.sp:
+            with self.state.fork_rng("tp"):
+                y = F.dropout(y, 0.5)
+        else:
+            y = F.dropout(y, 0.5)
+        self.masks.append((h == 0, y == 0))
+        return x + y
+
+
+def case_dropout(ctx: _Ctx, problems: list[str]) -> None:
+    """Dropout under tensor parallelism as the README says to draw it: masks of tp-sharded and sequence-
+    parallel activations (``state.fork_rng("tp")``) differ across the tp ranks, the mask of a replicated
+    activation (torch's default generator) is the same on every tp rank, and the default generator stays in
+    step; activation checkpointing (full, selective) gives the losses and gradients of no checkpointing bit
+    for bit (its recompute draws the forward's masks)."""
+    import torch.distributed as dist
+
+    import smptk.parallel as sp
+
+    T, r, group = ctx.tp, ctx.r, ctx.mesh.get_group()
+
+    def gathered(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(T)]
+        dist.all_gather(out, t.contiguous(), group=group)
+        return out
+
+    for seq in (False, True):
+        label = f"dropout, sequence_parallel={seq}"
+        runs = {}
+        x = ctx.randn(2, 2 * T, 4)
+        for mode in ("none", "full", "selective"):
+            torch.manual_seed(ctx.state.config.random_seed)
+            model = nn.Sequential(*(_DropoutBlock(ctx, seq) for _ in range(2)))
+            if mode != "none":
+                sp.apply_activation_checkpointing(model, mode=mode, modules=[_DropoutBlock])
+            losses, grads = [], []
+            for _ in range(2):
+                loss = model(x[:, 2 * r : 2 * r + 2] if seq else x).square().sum()
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append([p.grad.to_local().clone() for p in model.parameters()])
+                model.zero_grad()
+            runs[mode] = (losses, grads, model)
+        for mode in ("full", "selective"):
+            for step in range(2):
+                _close(problems, f"{label}, {mode}: loss {step}", runs[mode][0][step], runs["none"][0][step],
+                       exact=True)  # fmt: skip
+                for i, (g, g_ref) in enumerate(zip(runs[mode][1][step], runs["none"][1][step], strict=True)):
+                    _close(problems, f"{label}, {mode}: grad {i} step {step}", g, g_ref, exact=True)
+        masks = runs["none"][2][0].masks
+        sharded = gathered(masks[0][0])
+        if any(torch.equal(sharded[0], m) for m in sharded[1:]):
+            problems.append(f"{label}: the tp-sharded features' dropout mask is the same on two tp ranks")
+        if torch.equal(masks[0][0], masks[1][0]):
+            problems.append(f"{label}: the tp-sharded features' dropout mask is the same in two steps")
+        out = gathered(masks[0][1])
+        if seq and any(torch.equal(out[0], m) for m in out[1:]):
+            problems.append(f"{label}: the sequence-parallel output's mask is the same on two tp ranks")
+        if not seq and not all(torch.equal(out[0], m) for m in out[1:]):
+            problems.append(f"{label}: the replicated output's mask differs across the tp ranks")
+        states = gathered(torch.get_rng_state())
+        if not all(torch.equal(states[0], s) for s in states[1:]):
+            problems.append(f"{label}: torch's default generator is not in step across the tp ranks")
+
+
 def _raises(
     problems: list[str], label: str, exc: type, words: tuple[str, ...], fn: Callable[[], object]
 ) -> None:
@@ -864,6 +948,7 @@ CASES: dict[str, Callable[[_Ctx, list[str]], None]] = {
     "cross_entropy": case_cross_entropy,
     "styles": case_styles,
     "moe_sequence_parallel": case_moe_sequence_parallel,
+    "dropout": case_dropout,
     "errors": case_errors,
     "triton": case_triton,
     "fsdp": case_fsdp,

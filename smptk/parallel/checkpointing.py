@@ -19,6 +19,14 @@ torch.distributed.checkpoint see the model unchanged):
   this policy's is active (:mod:`smptk.kernels._dispatch`), so the policy sees them and their
   backward finds the kept outputs instead of launching the kernel again.
 
+Dropout: the recompute draws the forward's masks, so the gradients are those without checkpointing, bit
+for bit (tests/test_checkpointing.py: nn.Dropout, F.dropout, attention dropout, full and selective,
+offloaded or not). Torch's checkpoint restores the default CPU generator before it and, on CUDA, the
+generators of the devices of the unit's positional tensor arguments (torch's ``get_device_states(*args)``:
+a unit that gets its tensors only as keyword arguments has its CUDA generator left where backward found
+it). A :meth:`~smptk.parallel.ParallelState.fork_rng` region seeds from the CPU generator, so its masks
+come back in either case; a generator passed to an op is not replayed (wrong gradients, no error).
+
 Offloading (``sm_activation_offloading``, :class:`ActivationOffloader`): what a checkpointed unit keeps,
 its inputs, moves to pinned CPU memory during forward (a copy on a side stream, overlapping the unit's own
 compute; the compute stream waits for it where the unit ends, so no later in-place write can race it) and

@@ -56,9 +56,12 @@ every rank and, built on the CPU, equal to the unsharded model built in the same
 ``torch.manual_seed(random_seed)`` (:mod:`smptk.parallel.shard_init`; a meta-built one after
 :func:`~smptk.parallel.materialize`). Reseeding per rank before the model is built breaks this; per-rank
 randomness takes the generators below.
-``seed_for("tp")`` differs across the tp ranks and agrees across every other dim: dropout in
-sequence-parallel regions, where each tp rank holds different tokens (Megatron-LM's model-parallel RNG
-convention); ``seed_for("dp", "tp")`` differs across both (:meth:`ParallelState.generator` makes one).
+``seed_for("tp")`` differs across the tp ranks and agrees across every other dim (Megatron-LM's
+model-parallel RNG convention); ``seed_for("dp", "tp")`` differs across both. Dropout of a tp-sharded or
+sequence-parallel activation, where each tp rank holds different elements, runs inside
+:meth:`ParallelState.fork_rng` ``("tp")``, which draws from such a seed and keeps activation
+checkpointing's recompute exact; dropout of a replicated activation stays on the default generator,
+which is in step on every rank.
 
 ``comm_max_sms`` >= 1 becomes ``smptk.comm``'s default ``max_sms`` (``smptk.comm.configure``) for every
 collective on this rank until :func:`reset`; 0 (copy engines, no SM moves data) is not a default
@@ -84,13 +87,14 @@ Example (one process; under torchrun every rank runs the same lines without the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import json
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -401,18 +405,17 @@ class ParallelState:
         """A seed that differs across the ranks of ``dims`` and agrees across every other dim.
 
         ``seed_for()`` is ``random_seed`` (the same on every rank: parameter initialization).
-        ``seed_for("tp")`` depends on this rank's tp coordinate only (dropout in sequence-parallel
-        regions); the order of ``dims`` does not matter. A seed is the first 63 bits of a SHA-256 of
-        ``random_seed`` and the named coordinates: the same on every run and machine, distinct per
-        coordinate in practice (a collision is a 2**-63 event).
+        ``seed_for("tp")`` depends on this rank's tp coordinate only (the base of :meth:`fork_rng`'s
+        dropout in sequence-parallel regions); the order of ``dims`` does not matter. A seed is the
+        first 63 bits of a SHA-256 of ``random_seed`` and the named coordinates: the same on every run
+        and machine, distinct per coordinate in practice (a collision is a 2**-63 event).
         """
         for d in dims:
             _check_dim(d)
         named = [d for d in DIM_NAMES if d in dims]
         if not named:
             return self.config.random_seed
-        text = f"smptk-seed|{self.config.random_seed}|" + ",".join(f"{d}={self.coords[d]}" for d in named)
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+        return _hash_seed(f"{self.config.random_seed}|" + ",".join(f"{d}={self.coords[d]}" for d in named))
 
     def symmetric_heaps(self) -> list[dict]:
         """The symmetric heaps this rank holds for the groups of this state's meshes (the dims' groups, in
@@ -434,8 +437,64 @@ class ParallelState:
         return [{**h, "dims": tuple(dims_of[h["ranks"]])} for h in comm.heaps() if h["ranks"] in dims_of]
 
     def generator(self, *dims: str, device: str | torch.device = "cpu") -> torch.Generator:
-        """A fresh ``torch.Generator`` on ``device`` seeded with :meth:`seed_for` ``(*dims)``."""
+        """A fresh ``torch.Generator`` on ``device`` seeded with :meth:`seed_for` ``(*dims)``.
+
+        Not for dropout inside an activation-checkpointed unit: torch's checkpoint replays the default
+        generators in its recompute, not a generator passed to an op, so the recompute draws other masks
+        than the forward did and the gradients are wrong without an error. :meth:`fork_rng` is the
+        region for that.
+        """
         return torch.Generator(device=device).manual_seed(self.seed_for(*dims))
+
+    @contextlib.contextmanager
+    def fork_rng(self, *dims: str) -> Iterator[None]:
+        """A region whose random ops (dropout) draw masks that differ across the ranks of ``dims`` and
+        agree across every other dim, new at every call, and drawn again alike by activation checkpointing's
+        recompute.
+
+        Entering draws one number from torch's default CPU generator, the same draw on every rank (it stays
+        in step, so the dropout of replicated activations outside the region keeps agreeing across ranks),
+        and seeds the default generators of the CPU and, when the state's device type is "cuda", of the
+        current CUDA device with a hash of that number and :meth:`seed_for` ``(*dims)``; leaving gives
+        them back their states (``torch.random.fork_rng``). The draw gives every call (layer, step,
+        micro-batch) masks of its own, and a checkpointed unit's recompute, which restores the default CPU
+        generator before it runs the unit again, the forward's masks. Use ``fork_rng("tp")`` around the
+        dropout of a tp-sharded or sequence-parallel activation, whose tp ranks hold different elements
+        (Megatron-LM's model-parallel region); ``fork_rng("dp", "tp")`` for masks of their own on every
+        data-parallel rank as well.
+
+        Example (one process: a world of 1)::
+
+            >>> import torch
+            >>> import torch.distributed as dist
+            >>> import torch.nn.functional as F
+            >>> import smptk.parallel as sp
+            >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            >>> state = sp.init({"random_seed": 1})
+            >>> x = torch.ones(2, 8)
+            >>> with state.fork_rng("tp"):
+            ...     a = F.dropout(x, 0.5)
+            >>> with state.fork_rng("tp"):
+            ...     b = F.dropout(x, 0.5)
+            >>> torch.equal(a, b)          # a new mask at every call
+            False
+            >>> sp.reset()
+            >>> dist.destroy_process_group()
+        """
+        base = self.seed_for(*dims)
+        draw = int(torch.randint(1 << 62, (), dtype=torch.int64).item())
+        seed = _hash_seed(f"fork_rng|{base}|{draw}")
+        devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(seed)
+            if devices:
+                torch.cuda.manual_seed(seed)
+            yield
+
+
+def _hash_seed(text: str) -> int:
+    """The first 63 bits of the SHA-256 of ``text``: a seed that is the same on every run and machine."""
+    return int.from_bytes(hashlib.sha256(f"smptk-seed|{text}".encode()).digest()[:8], "little") >> 1
 
 
 def _check_dim(name: object) -> None:
