@@ -417,3 +417,68 @@ def test_torch_path_compiles_in_one_graph():
     the Triton availability check (Dynamo cannot trace that builtin) even where the PyTorch path runs."""
     proc = _run_child(COMPILED_TORCH_PATH, interpret=False)
     assert proc.returncode == 0 and "COMPILED OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def _transformed_calls():
+    """(name, smptk call, plain-torch call) under a torch.func transform or forward-mode AD, each returning
+    a tensor computed through the transform."""
+    import torch.autograd.forward_ad as fwAD
+    import torch.nn.functional as F
+
+    from smptk.kernels import grouped_linear, grouped_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    x, w, wu = (torch.randn(*s, generator=g) for s in ((6, 8), (5, 8), (5, 8)))
+    b, we, be = torch.randn(5, generator=g), torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, generator=g)
+    offsets = torch.tensor([0, 4, 6])
+    xb = torch.randn(3, 6, 8, generator=g)
+
+    def grouped_ref(x, w, b):
+        return torch.cat([F.linear(x[:4], w[0], b[0]), F.linear(x[4:], w[1], b[1])])
+
+    def dual(fn, *args):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(fn(fwAD.make_dual(x, torch.ones_like(x)), *args)).tangent
+
+    grad, vmap, jvp = torch.func.grad, torch.func.vmap, torch.func.jvp
+    return [
+        ("grad-fused_linear-bias", lambda: grad(lambda b: fused_linear(x, w, b, activation="gelu").sum())(b),
+         lambda: grad(lambda b: F.gelu(F.linear(x, w, b)).sum())(b)),
+        ("vmap-fused_linear", lambda: vmap(lambda x: fused_linear(x, w, b, activation="silu"))(xb),
+         lambda: F.silu(F.linear(xb, w, b))),
+        ("jvp-swiglu", lambda: jvp(lambda u: swiglu(x, w, u), (wu,), (torch.ones_like(wu),))[1],
+         lambda: F.silu(F.linear(x, w)) * F.linear(x, torch.ones_like(wu))),
+        ("grad-swiglu-up", lambda: grad(lambda u: swiglu(x, w, u).square().sum())(wu),
+         lambda: grad(lambda u: (F.silu(F.linear(x, w)) * F.linear(x, u)).square().sum())(wu)),
+        ("grad-grouped_linear-bias", lambda: grad(lambda b: grouped_linear(x, we, offsets, bias=b).sum())(be),
+         lambda: grad(lambda b: grouped_ref(x, we, b).sum())(be)),
+        ("vmap-grouped_swiglu", lambda: vmap(lambda x: grouped_swiglu(x, we, we, offsets))(xb),
+         lambda: torch.stack([grouped_swiglu(x, we, we, offsets) for x in xb])),
+        ("vmap-moe_route", lambda: vmap(lambda lg: moe_route(lg, 2).weights)(xb),
+         lambda: torch.stack([moe_route(lg, 2).weights for lg in xb])),
+        ("forward_ad-fused_linear", lambda: dual(fused_linear, w, b),
+         lambda: F.linear(torch.ones_like(x), w)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("requested", ["auto", "triton"])
+def test_torch_func_transforms_take_the_torch_path(monkeypatch, launches, requested):
+    """The Triton ops' autograd Functions define no vmap / jvp rule, so under a torch.func transform or with
+    a forward-mode AD tangent torch refused them with an error about ``setup_context`` naming no smptk op:
+    under ``auto`` these calls run the PyTorch path and give torch's values; under ``triton`` they are an
+    error that names the transform."""
+    if not runtime.interpreter_enabled():
+        pytest.skip(NO_INTERPRETER_REASON)
+    calls = _transformed_calls()  # the references' plain calls outside transforms run with auto
+    monkeypatch.setenv("SMPTK_KERNELS", requested)
+    for name, call, reference in calls:
+        if requested == "triton":
+            with pytest.raises(RuntimeError, match=r"SMPTK_KERNELS=triton but (a torch.func|an argument)"):
+                call()
+            continue
+        got = call()
+        monkeypatch.setenv("SMPTK_KERNELS", "torch")
+        want = reference()
+        monkeypatch.setenv("SMPTK_KERNELS", requested)
+        torch.testing.assert_close(got, want, msg=name)
+    assert launches == []

@@ -194,7 +194,7 @@ def fused_linear(
             raise ValueError(
                 f"bias: expected shape ({weight.shape[0]},) to match weight's N, got {tuple(bias.shape)}"
             )
-    if runtime.select_path(x, weight) == "torch":
+    if runtime.select_path(x, weight, bias) == "torch":
         return _fused_linear_torch(x, weight, bias, activation)
     lead = x.shape[:-1]
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])

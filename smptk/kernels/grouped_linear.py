@@ -320,7 +320,7 @@ def grouped_linear(
             raise ValueError(
                 f"bias: expected shape ({E}, {N}) to match weight's [E, N], got {tuple(bias.shape)}"
             )
-    path = runtime.select_path(x, weight)
+    path = runtime.select_path(x, weight, bias)
     offsets = _check_offsets(offsets, x, E, path)
     if path == "torch":
         act = _TORCH_ACTIVATIONS[activation]
@@ -359,7 +359,7 @@ def grouped_swiglu(
         raise ValueError(
             f"weight_up: shape {tuple(weight_up.shape)} must equal weight_gate's {tuple(weight_gate.shape)}"
         )
-    path = runtime.select_path(x, weight_gate)
+    path = runtime.select_path(x, weight_gate, weight_up)
     offsets = _check_offsets(offsets, x, weight_gate.shape[0], path)
     if path == "torch":
         return _per_expert(

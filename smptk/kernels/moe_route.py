@@ -282,8 +282,8 @@ def _moe_route_torch(logits, top_k, score_func, renormalize, expert_bias) -> MoE
         weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
     flat = ids.reshape(-1)
     # scatter_add, not bincount: bincount sizes its output from the ids' maximum (a host sync on CUDA, and
-    # no meta kernel), while the counts' size E is known.
-    counts = torch.zeros(E, dtype=torch.int64, device=logits.device).scatter_add_(
+    # no meta kernel), while the counts' size E is known. Out of place: torch.func.vmap batches the result.
+    counts = torch.zeros(E, dtype=torch.int64, device=logits.device).scatter_add(
         0, flat, torch.ones_like(flat)
     )
     if T == 0:

@@ -28,6 +28,12 @@ so the result is the DTensor the same torch code would give. A Triton kernel see
 compute on one rank's shard as if it were the whole tensor; under ``SMPTK_KERNELS=triton`` a DTensor is an
 error that says to pass local shards (``.to_local()``) or use :mod:`smptk.parallel`'s layers, which do.
 
+Under a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ``jvp``, ``jacrev``, ...) and for arguments
+that carry a forward-mode AD tangent (``torch.autograd.forward_ad``), calls take the PyTorch path under
+``auto``: the Triton ops' autograd Functions define no vmap or jvp rule, so torch would refuse them with an
+error about ``setup_context`` or ``jvp`` that names none of smptk's ops, while torch's own ops support every
+transform. Under ``triton`` these calls are an error that says so.
+
 Without Triton installed (:func:`triton_available` false) every call takes the PyTorch path under ``auto``
 and is an error under ``triton``. Nothing here imports triton: availability is a look-up in the import
 system, so choosing the PyTorch path never loads it.
@@ -55,6 +61,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.autograd import forward_ad
 
 from smptk import settings
 from smptk.kernels import _triton
@@ -173,15 +180,28 @@ def is_dtensor(t: object) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
-def select_path(*tensors: torch.Tensor, dot: bool = True) -> str:
+def _transform_blocker(tensors: tuple) -> str | None:
+    """Why an autograd Function without vmap / jvp rules cannot run this call, or None when it can: a
+    ``torch.func`` transform is active, or an argument carries a forward-mode AD tangent."""
+    if torch._C._are_functorch_transforms_active():
+        return "a torch.func transform (grad, vjp, vmap, jvp, jacrev, ...) is active"
+    if forward_ad._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    ):
+        return "an argument carries a forward-mode AD tangent (torch.autograd.forward_ad)"
+    return None
+
+
+def select_path(*tensors: torch.Tensor | None, dot: bool = True) -> str:
     """Return "triton" or "torch" for a call whose tensor arguments are ``tensors``.
 
-    Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run on (DTensors
-    included), and for CPU tensors when ``TRITON_INTERPRET`` was switched on after triton was imported. Meta
-    tensors get "torch" whatever ``SMPTK_KERNELS`` says (see the module docstring). ``dot=False``: the
-    kernels use no ``tl.dot`` (whose bf16 is wrong under the interpreter), so bf16 is not sent to the PyTorch
-    path; the interpreter still truncates fp32 -> bf16 conversions where a GPU rounds to nearest (one bf16
-    ulp at most, where CUDA's error is half of it).
+    ``tensors``: every tensor argument of the call (None entries are skipped); the first one's device and
+    dtype decide. Raises ``RuntimeError`` when ``SMPTK_KERNELS=triton`` is forced on tensors Triton cannot run
+    on (DTensors included) or under a transform the kernels do not support (see the module docstring), and
+    for CPU tensors when ``TRITON_INTERPRET`` was switched on after triton was imported. Meta tensors get
+    "torch" whatever ``SMPTK_KERNELS`` says. ``dot=False``: the kernels use no ``tl.dot`` (whose bf16 is wrong
+    under the interpreter), so bf16 is not sent to the PyTorch path; the interpreter still truncates fp32 ->
+    bf16 conversions where a GPU rounds to nearest (one bf16 ulp at most, where CUDA's error is half of it).
     """
     requested = requested_path()
     device = tensors[0].device
@@ -193,6 +213,14 @@ def select_path(*tensors: torch.Tensor, dot: bool = True) -> str:
                 f"{KERNELS_ENV}=triton but an argument is a DTensor: a Triton kernel would compute on this "
                 "rank's shard as if it were the whole tensor; pass local tensors (.to_local()) or use "
                 "smptk.parallel's layers (ColumnParallelLinear, RowParallelLinear, MoE)"
+            )
+        return "torch"
+    transform = _transform_blocker(tensors)
+    if transform is not None:
+        if requested == "triton":
+            raise RuntimeError(
+                f"{KERNELS_ENV}=triton but {transform}: smptk's Triton ops define no vmap or jvp rule; "
+                f"{KERNELS_ENV}=auto (or torch) runs such calls with PyTorch ops, which support it"
             )
         return "torch"
     if device.type == "cpu" and triton_available():

@@ -156,7 +156,7 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
         raise ValueError(
             f"weight_up: shape {tuple(weight_up.shape)} must equal weight_gate's {tuple(weight_gate.shape)}"
         )
-    if runtime.select_path(x, weight_gate) == "torch":
+    if runtime.select_path(x, weight_gate, weight_up) == "torch":
         return F.silu(F.linear(x, weight_gate)) * F.linear(x, weight_up)
     lead = x.shape[:-1]
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
