@@ -205,6 +205,25 @@ def test_shapes(monkeypatch, path, T, H, E, k):
     check_dispatch_combine(inputs(T, H, torch.float16, seed=T), ids.int(), E, capacity_factor=0.75)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["nocap", "cap1"])
+@pytest.mark.parametrize("path", PATHS)
+def test_no_slots(monkeypatch, path, capacity_factor):
+    """k = 0 (expert_ids ``[T, 0]``): nothing is grouped, combine gives zero rows, and the backward gives
+    zero gradients on both paths (the Triton combine backward used to compile a 0-wide slot block)."""
+    use_path(monkeypatch, path, "cpu")
+    x = inputs(5, 4, torch.float32)
+    xg, plan = moe_dispatch(x, torch.zeros(5, 0, dtype=torch.int64), 3, capacity_factor=capacity_factor)
+    assert xg.shape == (0, 4) and plan.offsets.tolist() == [0, 0, 0, 0] and plan.dest.shape == (5, 0)
+    y = (xg * 2).detach().requires_grad_()
+    w = torch.zeros(5, 0, requires_grad=True)
+    out = moe_combine(y, plan, w)
+    assert torch.equal(out, torch.zeros(5, 4))
+    dy, dw = torch.autograd.grad(out, [y, w], torch.ones(5, 4))
+    assert dy.shape == (0, 4) and dw.shape == (5, 0)
+    (dx,) = torch.autograd.grad(xg, x, torch.ones(0, 4))
+    assert torch.equal(dx, torch.zeros(5, 4))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_every_token_on_one_expert_and_capacity_drops(monkeypatch, path):
     """k = 1, all T tokens on expert 2 of 5: experts 0, 1, 3, 4 empty. With capacity C the first C tokens

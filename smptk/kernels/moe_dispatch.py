@@ -389,7 +389,7 @@ def combine_dw(dout_TH: torch.Tensor, y_RH: torch.Tensor, dest_TK: torch.Tensor,
     T, k = dest_TK.shape
     H = dout_TH.shape[1]
     dw = new_buffer((T, k), dtype, dout_TH.device)
-    if T:
+    if T and k:  # k = 0: nothing to write, and a 0-wide slot block does not compile
         b = _row_blocks()
         _kernels._combine_dw_kernel[(cdiv(T, b["BLOCK_R"]),)](
             dout_TH,
