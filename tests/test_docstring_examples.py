@@ -33,6 +33,7 @@ import smptk.parallel as sp
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 MODULES = [
+    "smptk._precision",
     "smptk.settings",
     "smptk.kernels._codegen",
     "smptk.kernels._dispatch",

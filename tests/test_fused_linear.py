@@ -331,6 +331,27 @@ def test_autocast_leaves_float64_alone():
         assert fused_linear(x, w, b).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_fp32_precision_set_through_torchs_new_api(monkeypatch, precision):
+    """``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9's TF32 switch) makes torch's legacy
+    ``allow_tf32`` raise when read; the GEMM engine read that flag, so every fp32 GEMM raised once TF32 was
+    turned on this way. The engine follows the setting: tf32 ``tl.dot`` precision for "tf32", IEEE else."""
+    from smptk.kernels import _gemm
+
+    use_path(monkeypatch, "triton", "cpu")
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = precision
+        x, w, b = linear_inputs((7, 40), 17, dtype=torch.float32, device="cpu", bias=True)
+        y = fused_linear(x, w, b, activation="gelu")
+        y.sum().backward()
+        assert _gemm.input_precision(torch.float32) == precision
+        assert _gemm.input_precision(torch.float16) == "tf32"  # 16-bit inputs: the setting does not apply
+    finally:
+        matmul.fp32_precision = saved
+
+
 # --- int64 indexing: x with more than 2**31 elements -------------------------------------------------
 
 

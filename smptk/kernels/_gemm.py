@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from smptk import settings
+from smptk._precision import tf32_matmul
 from smptk.kernels import runtime
 from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_fwd
 from smptk.kernels._index import expert_row_tile, expert_rows, row_tile_bound, swizzle
@@ -579,8 +580,9 @@ def last_path() -> str:
 
 
 def input_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` precision: IEEE fp32 unless torch allows TF32 for matmul; 16-bit inputs ignore it."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    """``tl.dot`` precision: IEEE fp32 unless torch allows TF32 for matmul (either of its APIs, see
+    :mod:`smptk._precision`); 16-bit inputs ignore it."""
+    if dtype == torch.float32 and not tf32_matmul():
         return "ieee"
     return "tf32"
 

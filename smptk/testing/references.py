@@ -9,7 +9,8 @@ The references are differentiable: run autograd through them (with float32 leave
 reference gradients.
 
 On CUDA the float32 matmul must be IEEE float32, not TF32, or the reference is only a TF32 one; the
-references refuse to run with ``torch.backends.cuda.matmul.allow_tf32`` set (torch's default is unset).
+references refuse to run while torch lets fp32 matmuls use TF32 (``torch.backends.cuda.matmul.fp32_precision``
+"tf32", or the legacy ``allow_tf32`` set; torch's default is neither).
 
 Legend: M rows of x (all leading dims together), K input features, N output features.
 
@@ -28,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from smptk._precision import tf32_matmul
 
 __all__ = [
     "ACTIVATIONS",
@@ -125,10 +128,10 @@ def activation_fn(activation: str | None) -> Callable[[Tensor], Tensor]:
 def _fp32(name: str, t: Tensor) -> Tensor:
     if not isinstance(t, Tensor) or not t.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {type(t).__name__}")
-    if t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+    if t.is_cuda and tf32_matmul():
         raise RuntimeError(
-            f"{name}: torch.backends.cuda.matmul.allow_tf32 is set, so an fp32 matmul would be TF32; "
-            "unset it for the reference"
+            f"{name}: torch lets fp32 matmuls use TF32 (torch.backends.cuda.matmul.fp32_precision is "
+            "'tf32', or allow_tf32 is set), so an fp32 matmul would be TF32; turn it off for the reference"
         )
     return t.to(torch.float32)
 
