@@ -433,6 +433,35 @@ def case_styles(ctx: _Ctx, problems: list[str]) -> None:
             _close(problems, f"{label} {name}", p, _expected_local(ref_params[name], p), exact=True)
             _close(problems, f"{label} {name}.grad", p.grad, _expected_local(ref_params[name].grad, p))
 
+    # An embedding tied to the head (head.weight = embed.weight) stays one parameter through the styles, in
+    # either order: the tied reference's gradient sums both uses (the styles used to untie it silently, each
+    # copy getting its own part of the gradient). A tied layer the styles would split otherwise is refused.
+    for order in (("embed", "head"), ("head", "embed")):
+        label = f"tied embedding and head, converted {order[0]} first"
+        torch.manual_seed(ctx.next_seed())
+        ref = _Tiny(V, H, Fdim)
+        ref.head.weight = ref.embed.weight
+        model = copy.deepcopy(ref)
+        styles = {"embed": SmptkVocabParallel(), "head": SmptkColwiseParallel()}
+        parallelize_module(model, ctx.mesh, {name: styles[name] for name in order})
+        if model.head.weight is not model.embed.weight:
+            problems.append(f"{label}: head.weight is not embed.weight after parallelize_module")
+        ids = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
+        target = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
+        ref_loss = F.cross_entropy(ref(ids).view(-1, V), target.view(-1))
+        ref_loss.backward()
+        loss = vocab_parallel_cross_entropy(model(ids), target, group=ctx.mesh)
+        loss.backward()
+        _close(problems, f"{label} loss", loss, ref_loss)
+        w = model.embed.weight
+        _close(problems, f"{label} weight.grad", w.grad, _expected_local(ref.embed.weight.grad, w))
+    emb, lin = nn.Embedding(V, 2 * T), nn.Linear(2 * T, V)
+    lin.weight = emb.weight
+    parallelize_module(emb, ctx.mesh, SmptkVocabParallel())
+    words = ("Linear.weight", "shared", "Shard(dim=0)", "RowParallelLinear", "Shard(dim=1)")
+    _raises(problems, "tied weight split two ways", ValueError, words,
+            lambda: parallelize_module(lin, ctx.mesh, SmptkRowwiseParallel()))  # fmt: skip
+
     # A converted layer keeps what its user set on it and gains the layer's own check that the weights a
     # forward saved are unchanged at backward (the swap used to drop both: a weight scaled between forward
     # and backward gave gradients of the new weights, silently).

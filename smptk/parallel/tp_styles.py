@@ -22,9 +22,12 @@ or call their ``reset_parameters()`` (:func:`smptk.parallel.materialize` does, a
 Only plain ``nn.Linear`` / ``nn.Embedding`` modules convert: a subclass with methods of its own (a
 ``forward``, a ``reset_parameters`` with its own init) or extra state (a scaled embedding, a parametrized
 weight) is refused, since the new layer would drop it; so is a module another style already parallelized.
-Converting a weight that another module shares (an embedding tied to ``lm_head``) unties them, as torch's
-styles do; the head keeps the old full tensor. Both are ``[V, H]`` split by vocabulary rows, so after
-``parallelize_module`` tie them again: ``model.lm_head.weight = model.embed.weight``.
+A weight two modules share (an embedding tied to the head, ``lm_head.weight = embed.weight``) stays one
+parameter when both convert through these styles (torch's styles untie it): ``SmptkVocabParallel`` on the
+embedding and ``SmptkColwiseParallel`` on the head both split the ``[V, H]`` table by vocabulary rows, and
+the second conversion takes the first one's DTensor. A shared weight that the two styles would split
+differently (a tied ``SmptkRowwiseParallel`` layer) is refused. A module left unconverted keeps the old full
+tensor, untied from the converted one: convert both, or tie them again after ``parallelize_module``.
 
 Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), a tensor-parallel group of 2::
 
@@ -67,6 +70,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from smptk.kernels._checks import ACTIVATIONS
 from smptk.parallel.tensor_parallel import (
@@ -116,6 +120,31 @@ def _become(module: nn.Module, new: nn.Module, base: type[nn.Module]) -> nn.Modu
     return module
 
 
+# Each source parameter a style converted -> the DTensor parameter it became, held while the source lives:
+# a parameter another module shares (a tied embedding and head) converts once, so the tie holds.
+_CONVERTED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _keep_ties(sources: dict[str, nn.Parameter], new: nn.Module, module: nn.Module) -> None:
+    """Give ``new`` the DTensor parameter an earlier conversion made of the same source parameter (a weight
+    ``module`` shares with a converted module), where it is split the same way; else record ``new``'s."""
+    for name, source in sources.items():
+        param = getattr(new, name)
+        earlier = _CONVERTED.get(source)
+        if earlier is None:
+            _CONVERTED[source] = param
+            continue
+        if earlier.device_mesh != param.device_mesh or tuple(earlier.placements) != tuple(param.placements):
+            raise ValueError(
+                f"{type(module).__name__}.{name}: shared with a module converted before (a tied weight), "
+                f"which split it as {tuple(earlier.placements)} over {earlier.device_mesh}; "
+                f"{type(new).__name__} splits it as {tuple(param.placements)} over {param.device_mesh}. "
+                "A shared weight must be split the same way by both styles (or untie it: give one module "
+                "a copy)"
+            )
+        setattr(new, name, earlier)
+
+
 class _LayerStyle(ParallelStyle):
     """A style that converts the module in place into the layer ``_convert`` builds from it."""
 
@@ -127,7 +156,9 @@ class _LayerStyle(ParallelStyle):
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"device_mesh: expected a DeviceMesh, got {type(device_mesh).__name__}")
         convert = type(self)._convert
+        sources = dict(module.named_parameters(recurse=False))
         new = convert(module, mesh=_tp_mesh(device_mesh), src_data_rank=self.src_data_rank, **self.options)
+        _keep_ties(sources, new, module)
         return _become(module, new, type(self)._base)
 
 
