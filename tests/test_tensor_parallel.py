@@ -110,6 +110,24 @@ def test_style_arguments_are_checked(make, words) -> None:
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [
+        ({"max_norm": 1.0}, ("max_norm=1.0", "expected None")),
+        ({"scale_grad_by_freq": True}, ("scale_grad_by_freq=True", "expected False")),
+        ({"sparse": True}, ("sparse=True", "expected False")),
+        ({"max_norm": 2.0, "sparse": True}, ("max_norm=2.0", "sparse=True")),
+    ],
+)
+def test_from_embedding_refuses_options_naming_the_one_set(option, words) -> None:
+    """An nn.Embedding option the layer lacks is refused by name, with the value it needs; the message
+    listed all three whatever was set, and neither value."""
+    with pytest.raises(ValueError) as info:
+        tp.VocabParallelEmbedding.from_embedding(nn.Embedding(4, 3, **option))
+    assert all(w in str(info.value) for w in words), str(info.value)
+    assert "scale_grad_by_freq" not in str(info.value) or "scale_grad_by_freq" in option
+
+
 def test_layer_without_state_or_mesh_says_what_to_do(monkeypatch) -> None:
     from smptk.parallel import config
 

@@ -798,12 +798,20 @@ class VocabParallelEmbedding(_TensorParallelLayer):
         src_data_rank: int | None = 0,
         **options,
     ) -> VocabParallelEmbedding:
-        """A new layer holding ``embedding``'s table split by rows (see ColumnParallelLinear.from_linear)."""
+        """A new layer holding ``embedding``'s table split by rows (see ColumnParallelLinear.from_linear).
+
+        ``padding_idx`` carries over; an embedding with ``max_norm``, ``scale_grad_by_freq`` or ``sparse``
+        set is refused (the layer has none of them)."""
         _check_plain(embedding, nn.Embedding, "embedding", ("weight",))
-        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+        unsupported = [
+            f"{name}={value!r} (expected {default!r})"
+            for name, default in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False))
+            if (value := getattr(embedding, name)) != default
+        ]
+        if unsupported:
             raise ValueError(
-                "embedding: max_norm, scale_grad_by_freq and sparse are not supported by "
-                "VocabParallelEmbedding"
+                f"embedding: {', '.join(unsupported)} is not supported by VocabParallelEmbedding; build the "
+                "nn.Embedding without it"
             )
         w = embedding.weight
         layer = cls(
