@@ -833,6 +833,8 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
         ("sequence_dim", ValueError, ("sequence_dim 2", "(2, 3, 5)"), lambda: col_sp(torch.randn(2, 3, 5))),
         ("ids range", IndexError, ("ids", str(2 * T), f"0..{2 * T - 1}"),
          lambda: emb(torch.tensor([[0, 2 * T]]))),
+        ("ids dtype", TypeError, ("ids", "int64 or int32", "torch.uint8"),
+         lambda: emb(torch.tensor([[0, 1]], dtype=torch.uint8))),
         ("ce target shape", ValueError, ("target", "(2, 3)", "(3, 2)"),
          lambda: ce(logits, zeros.mT, group=m)),
         ("ce target range", IndexError, ("target", str(4 * T)), lambda: ce(logits, zeros + 4 * T, group=m)),

@@ -733,8 +733,8 @@ class VocabParallelEmbedding(_TensorParallelLayer):
             output ``[.., H]``; default 1: ids ``[b, s]`` give ``[b, s/T, H]``).
         mesh, device, dtype: as for :class:`ColumnParallelLinear`.
 
-    Input: integer ids ``[..]`` in ``0 .. V-1``, replicated (the same on every rank); an id out of range
-    raises IndexError (on CUDA a device-side assert, as ``nn.Embedding``'s, without a host sync).
+    Input: int64 or int32 ids ``[..]`` in ``0 .. V-1``, replicated (the same on every rank); an id out of
+    range raises IndexError (on CUDA a device-side assert, as ``nn.Embedding``'s, without a host sync).
     Output: ``[.., H]``, or this rank's sequence block of it.
     """
 
@@ -823,8 +823,8 @@ class VocabParallelEmbedding(_TensorParallelLayer):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = _local_input(ids, self.mesh, "ids")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"ids: expected an integer tensor, got {ids.dtype}")
+        if ids.dtype not in (torch.int64, torch.int32):  # F.embedding's index dtypes
+            raise TypeError(f"ids: expected an int64 or int32 tensor (as nn.Embedding), got {ids.dtype}")
         _check_index_range("ids", ids, self.num_embeddings)
         if self.sequence_parallel:
             d = _seq_dim(self.sequence_dim, ids.dim() + 1, "ids", (*ids.shape, self.embedding_dim))
