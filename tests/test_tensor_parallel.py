@@ -1,12 +1,13 @@
-"""smptk.parallel's tensor-parallel layers, styles and vocab-parallel cross-entropy on 2 and 4 gloo ranks.
+"""smptk.parallel's tensor-parallel layers, styles and vocab-parallel cross-entropy on 2, 3 and 4 gloo ranks.
 
 One spawned job per world size (``comm_harness.run_ranks``); the cases, each comparing a sharded layer
 with the unsharded torch module from the same seed, are in ``tp_jobs.py``; each test reads one case's
 outcome on every rank. The 2-rank job runs the collectives on smptk's symmetric heap under the Triton
 interpreter (1 program, 64 KiB heap: the messages are tiny) and one layer pair on the Triton kernels;
-the 4-rank job runs with ``TRITON_INTERPRET=0``, so its collectives take the torch.distributed (gloo)
-fallback: four interpreted ranks on 2 shared cores took 104 s for these cases, against 37 s for the
-2-rank job (load average 9). The FSDP2 case needs TP 2 x DP 2, so it runs in the 4-rank job.
+the 3- and 4-rank jobs run with ``TRITON_INTERPRET=0``, so their collectives take the torch.distributed
+(gloo) fallback: four interpreted ranks on 2 shared cores took 104 s for these cases, against 37 s for the
+2-rank job (load average 9). The 3-rank job runs the vocabulary cases (embedding, cross-entropy, styles)
+at an odd tensor-parallel size (24 s); the FSDP2 case needs TP 2 x DP 2, so it runs in the 4-rank job.
 
 The in-process tests below check what needs no process group: the initialization blocks and argument
 checks of the styles.
@@ -38,10 +39,11 @@ COMMON = [
     "moe_sequence_parallel",
     "errors",
 ]
-JOB_CASES = {2: [*COMMON, "triton", "dropout"], 4: [*COMMON, "fsdp"]}
-DEADLINE_S = {2: 150, 4: 180}
+JOB_CASES = {2: [*COMMON, "triton", "dropout"], 3: ["embedding", "cross_entropy", "styles"], 4: [*COMMON, "fsdp"]}
+DEADLINE_S = {2: 150, 3: 120, 4: 180}
 ENV = {
     2: {"SMPTK_COMM_MAX_SMS": "1", "SMPTK_COMM_HEAP_BYTES": str(64 * 1024)},
+    3: {"TRITON_INTERPRET": "0"},
     4: {"TRITON_INTERPRET": "0"},
 }
 _jobs: dict[int, JobResult] = {}
