@@ -346,6 +346,22 @@ def case_cross_entropy(ctx: _Ctx, problems: list[str]) -> None:
     )
     _raises(problems, "cross_entropy uneven widths", ValueError, words,
             lambda: vocab_parallel_cross_entropy(uneven, target.clamp(0, 2), group=ctx.mesh))  # fmt: skip
+    # Logits as a DTensor sharded over the vocabulary: its mesh is the group, with no smptk state (a model
+    # parallelized by torch's styles; it raised "no parallel state: call smptk.parallel.init").
+    from smptk.parallel import config
+
+    ld = distribute_tensor(full, ctx.mesh, [Shard(2)]).requires_grad_()
+    lr = full.clone().requires_grad_()
+    ref = F.cross_entropy(lr.view(-1, V), target.view(-1))
+    ref.backward()
+    saved, config._state = config._state, None
+    try:
+        loss = vocab_parallel_cross_entropy(ld, target)
+    finally:
+        config._state = saved
+    loss.backward()
+    _close(problems, "cross_entropy(DTensor logits, no state) loss", loss, ref)
+    _close(problems, "cross_entropy(DTensor logits, no state) logits.grad", ld.grad, lr.grad[..., cols])
     # Every target ignored: "mean" is NaN, as F.cross_entropy's.
     nan = vocab_parallel_cross_entropy(full[..., cols], torch.full((2, 5), -100), group=ctx.mesh)
     if not bool(nan.isnan()):
@@ -840,6 +856,8 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
         ("ce target range", IndexError, ("target", str(4 * T)), lambda: ce(logits, zeros + 4 * T, group=m)),
         ("ce reduction", ValueError, ("reduction", "'avg'"),
          lambda: ce(logits, zeros, group=m, reduction="avg")),
+        ("ce group of a DTensor", ValueError, ("group", f"ranks [{ctx.r}]", str(list(range(T)))),
+         lambda: ce(distribute_tensor(logits.repeat(1, 1, T), m, [Shard(2)]), zeros, group=(mesh2, "a"))),
         ("style module", TypeError, ("nn.Linear", "Embedding"),
          lambda: SmptkColwiseParallel()._apply(nn.Embedding(4, 4), m)),
         ("scaled embedding", TypeError, ("_ScaledEmbedding", "its own forward", "['scale']", "would drop"),

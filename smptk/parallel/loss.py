@@ -124,26 +124,29 @@ def vocab_parallel_cross_entropy(
     Args:
         logits_local: ``[.., Vl]`` float (any float dtype; the math is fp32), this rank's vocabulary
             columns ``r*Vl .. (r+1)*Vl``; every rank of the group holds the same ``Vl``. A DTensor
-            sharded on its last dim is taken as its local shard. Not the full logits (a head with
-            ``gather_output=True``): a plain tensor cannot say which it is, and full ``[.., V]`` logits
-            on every rank would be read as T shards of a ``T*V`` vocabulary (the loss off by ``log T``);
-            use ``F.cross_entropy`` on those.
+            sharded on its last dim is taken as its local shard, over its mesh. Not the full logits (a
+            head with ``gather_output=True``): a plain tensor cannot say which it is, and full ``[.., V]``
+            logits on every rank would be read as T shards of a ``T*V`` vocabulary (the loss off by
+            ``log T``); use ``F.cross_entropy`` on those.
         target: integer ``[..]`` (the logits' leading dims) of global ids in ``0 .. T*Vl - 1``, or
             ``ignore_index``; the same on every rank.
         group: the tensor-parallel group (a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)``); default
-            ``smptk.parallel.current().group("tp")``.
+            a DTensor's mesh, else ``smptk.parallel.current().group("tp")``; another group than a
+            DTensor's mesh is refused.
         ignore_index: target value that contributes no loss and no gradient.
         reduction: "mean" (over the tokens not ignored), "sum" or "none".
 
     Returns:
         fp32 loss: a scalar, or ``[..]`` for "none"; the same on every rank.
     """
+    mesh_group = None  # a DTensor's: its shards are this group's
     if isinstance(logits_local, DTensor):
         if tuple(logits_local.placements) != (Shard(logits_local.dim() - 1),):
             raise ValueError(
                 f"logits_local: a DTensor must be sharded on its last (vocabulary) dim, got placements "
                 f"{tuple(logits_local.placements)}"
             )
+        mesh_group = resolve_group(logits_local.device_mesh)
         logits_local = logits_local.to_local()
     if not isinstance(logits_local, torch.Tensor) or not logits_local.is_floating_point():
         raise TypeError(f"logits_local: expected a float tensor [..., V/T], got {_describe(logits_local)}")
@@ -164,12 +167,21 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
-    if group is None:
+    if group is None and mesh_group is not None:
+        pg = mesh_group
+    elif group is None:
         from smptk.parallel.config import current
 
         pg = current().group("tp")
     else:
         pg = resolve_group(group)
+    if mesh_group is not None and (ranks := dist.get_process_group_ranks(pg)) != (
+        mesh_ranks := dist.get_process_group_ranks(mesh_group)
+    ):
+        raise ValueError(
+            f"group: the group of ranks {ranks}, but logits_local is a DTensor sharded over the ranks "
+            f"{mesh_ranks} (its mesh); pass group=None to use the DTensor's mesh"
+        )
     tp, rank = dist.get_world_size(pg), dist.get_rank(pg)
     vl = logits_local.shape[-1]
     _check_index_range("target", target, tp * vl, ignore_index)
