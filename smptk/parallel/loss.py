@@ -5,9 +5,11 @@ Legend: ``T`` ranks of the tensor-parallel group, ``r`` this rank's index in it,
 
 Rank r holds ``logits_local [.., Vl]``, the columns ``r*Vl .. (r+1)*Vl`` of the full logits: the output of
 a :class:`~smptk.parallel.ColumnParallelLinear` head with ``gather_output=False``. Per token, in fp32
-(Megatron-LM's vocab-parallel cross-entropy, in three collectives of ``M`` values each, not ``M * V``):
+(Megatron-LM's vocab-parallel cross-entropy, whose three all-reduces of ``M`` values are two here, of
+``M + 2`` and ``2 * M`` values, not ``M * V``):
 
-1. ``m = max_v logits`` by a max all-reduce of the local maxima (for a stable exp);
+1. ``m = max_v logits`` by a max all-reduce of the local maxima (for a stable exp), with the shard widths
+   riding along (shards of different widths raise on every rank);
 2. ``sum_v exp(logits - m)`` and the target's logit ``logits[target] - m`` (zero on the ranks whose
    shard does not hold the target) by one sum all-reduce of the two stacked;
 3. ``loss = log(sum exp) - (logits[target] - m)``.
