@@ -401,6 +401,21 @@ class _Tiny(nn.Module):
         return self.head(h + self.down(self.act(self.up(h))))
 
 
+def _lm_losses(ctx: _Ctx, problems: list[str], label: str, ref: nn.Module, model: nn.Module, V: int) -> None:
+    """Seeded ids and targets ``[2, 2T]`` through the one-process ``ref`` (F.cross_entropy) and the
+    parallelized ``model`` (vocab_parallel_cross_entropy): both losses compared, and backward run on each."""
+    from smptk.parallel import vocab_parallel_cross_entropy
+
+    T = ctx.tp
+    ids = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
+    target = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
+    ref_loss = F.cross_entropy(ref(ids).view(-1, V), target.view(-1))
+    ref_loss.backward()
+    loss = vocab_parallel_cross_entropy(model(ids), target, group=ctx.mesh)
+    loss.backward()
+    _close(problems, f"{label} loss", loss, ref_loss)
+
+
 def case_styles(ctx: _Ctx, problems: list[str]) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -409,7 +424,6 @@ def case_styles(ctx: _Ctx, problems: list[str]) -> None:
         SmptkColwiseParallel,
         SmptkRowwiseParallel,
         SmptkVocabParallel,
-        vocab_parallel_cross_entropy,
     )
 
     T = ctx.tp
@@ -432,13 +446,7 @@ def case_styles(ctx: _Ctx, problems: list[str]) -> None:
             model.act = nn.Identity()  # the GELU is fused into up
         if not isinstance(model.up, ColumnParallelLinear) or model.up.activation != ("gelu" if sp else None):
             problems.append(f"{label}: up is {model.up!r}")
-        ids = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
-        target = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
-        ref_loss = F.cross_entropy(ref(ids).view(-1, V), target.view(-1))
-        ref_loss.backward()
-        loss = vocab_parallel_cross_entropy(model(ids), target, group=ctx.mesh)
-        loss.backward()
-        _close(problems, f"{label} loss", loss, ref_loss)
+        _lm_losses(ctx, problems, label, ref, model, V)
         if not hook_calls:
             problems.append(f"{label}: a forward hook registered on the nn.Linear did not run after the swap")
         ref_params = dict(ref.named_parameters())
@@ -462,13 +470,7 @@ def case_styles(ctx: _Ctx, problems: list[str]) -> None:
         parallelize_module(model, ctx.mesh, {name: styles[name] for name in order})
         if model.head.weight is not model.embed.weight:
             problems.append(f"{label}: head.weight is not embed.weight after parallelize_module")
-        ids = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
-        target = torch.randint(0, V, (2, 2 * T), generator=torch.Generator().manual_seed(ctx.next_seed()))
-        ref_loss = F.cross_entropy(ref(ids).view(-1, V), target.view(-1))
-        ref_loss.backward()
-        loss = vocab_parallel_cross_entropy(model(ids), target, group=ctx.mesh)
-        loss.backward()
-        _close(problems, f"{label} loss", loss, ref_loss)
+        _lm_losses(ctx, problems, label, ref, model, V)
         w = model.embed.weight
         _close(problems, f"{label} weight.grad", w.grad, _expected_local(ref.embed.weight.grad, w))
     emb, lin = nn.Embedding(V, 2 * T), nn.Linear(2 * T, V)
