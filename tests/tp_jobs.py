@@ -362,6 +362,19 @@ def case_cross_entropy(ctx: _Ctx, problems: list[str]) -> None:
     loss.backward()
     _close(problems, "cross_entropy(DTensor logits, no state) loss", loss, ref)
     _close(problems, "cross_entropy(DTensor logits, no state) logits.grad", ld.grad, lr.grad[..., cols])
+    # A vocabulary padded to a multiple of T (V - 2 real ids; at T 2 rank 1 holds 5 real columns of 7),
+    # the padded columns set to -inf as the docstring says: the real vocabulary's loss, no padded gradient.
+    real = V - 2
+    lr = full[..., :real].clone().requires_grad_()
+    ref = F.cross_entropy(lr.view(-1, real), target.clamp(max=real - 1).view(-1))
+    ref.backward()
+    ll = full[..., cols].clone().requires_grad_()
+    padded = torch.arange(r * vl, (r + 1) * vl) >= real
+    loss = vocab_parallel_cross_entropy(ll.masked_fill(padded, float("-inf")), target.clamp(max=real - 1))
+    loss.backward()
+    _close(problems, "cross_entropy(padded vocabulary) loss", loss, ref)
+    want = torch.cat([lr.grad, torch.zeros(2, 5, 2)], dim=-1)[..., cols]
+    _close(problems, "cross_entropy(padded vocabulary) logits.grad", ll.grad, want)
     # Every target ignored: "mean" is NaN, as F.cross_entropy's.
     nan = vocab_parallel_cross_entropy(full[..., cols], torch.full((2, 5), -100), group=ctx.mesh)
     if not bool(nan.isnan()):

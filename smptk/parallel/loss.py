@@ -21,6 +21,12 @@ from the forward), times the upstream gradient; tokens whose target is ``ignore_
 the gradient has the logits' dtype. The collectives are :func:`smptk.comm.all_reduce`, so the symmetric
 heap and its torch.distributed fallback apply.
 
+A vocabulary padded to a multiple of T (the layers refuse one T does not divide) has its padded columns
+in the softmax, which changes the loss of a model trained on the real V (V 10 padded to 12 with zero head
+rows, random logits: 4.92 instead of 4.85). Set them to ``-inf`` first
+(``logits_local.masked_fill(padded_cols, float("-inf"))``): the loss is then the real vocabulary's, and
+their gradient zero.
+
 Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU), a 2-rank tensor-parallel group,
 vocabulary 1000::
 

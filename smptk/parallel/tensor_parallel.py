@@ -724,7 +724,8 @@ class VocabParallelEmbedding(_TensorParallelLayer):
 
     Rank r holds ids ``r*V/T .. (r+1)*V/T``: it looks up the ids in its range, zeros the others, and the
     partial rows are summed by an all-reduce (or, with ``sequence_parallel``, a reduce-scatter along
-    ``sequence_dim`` of the output). V must be divisible by T (pad the vocabulary).
+    ``sequence_dim`` of the output). V must be divisible by T (pad the vocabulary; the padded columns of
+    the logits then need masking in the loss: see :func:`~smptk.parallel.vocab_parallel_cross_entropy`).
 
     Args:
         num_embeddings, embedding_dim: V and H.
