@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from smptk.comm.fused_linear import last_backward_path
 
@@ -347,7 +347,8 @@ def case_cross_entropy(ctx: _Ctx, problems: list[str]) -> None:
     _raises(problems, "cross_entropy uneven widths", ValueError, words,
             lambda: vocab_parallel_cross_entropy(uneven, target.clamp(0, 2), group=ctx.mesh))  # fmt: skip
     # Logits as a DTensor sharded over the vocabulary: its mesh is the group, with no smptk state (a model
-    # parallelized by torch's styles; it raised "no parallel state: call smptk.parallel.init").
+    # parallelized by torch's styles; it raised "no parallel state: call smptk.parallel.init"); the target
+    # a replicated DTensor (it raised "aten.gather.default got mixed torch.Tensor and DTensor").
     from smptk.parallel import config
 
     ld = distribute_tensor(full, ctx.mesh, [Shard(2)]).requires_grad_()
@@ -356,7 +357,7 @@ def case_cross_entropy(ctx: _Ctx, problems: list[str]) -> None:
     ref.backward()
     saved, config._state = config._state, None
     try:
-        loss = vocab_parallel_cross_entropy(ld, target)
+        loss = vocab_parallel_cross_entropy(ld, distribute_tensor(target, ctx.mesh, [Replicate()]))
     finally:
         config._state = saved
     loss.backward()
@@ -871,6 +872,8 @@ def case_errors(ctx: _Ctx, problems: list[str]) -> None:
         ("ce target range", IndexError, ("target", str(4 * T)), lambda: ce(logits, zeros + 4 * T, group=m)),
         ("ce reduction", ValueError, ("reduction", "'avg'"),
          lambda: ce(logits, zeros, group=m, reduction="avg")),
+        ("ce sharded DTensor target", ValueError, ("target", "replicated", "Shard(dim=0)"),
+         lambda: ce(logits, distribute_tensor(zeros.repeat(T, 1), m, [Shard(0)]), group=m)),
         ("ce group of a DTensor", ValueError, ("group", f"ranks [{ctx.r}]", str(list(range(T)))),
          lambda: ce(distribute_tensor(logits.repeat(1, 1, T), m, [Shard(2)]), zeros, group=(mesh2, "a"))),
         ("style module", TypeError, ("nn.Linear", "Embedding"),

@@ -137,7 +137,7 @@ def vocab_parallel_cross_entropy(
             logits on every rank would be read as T shards of a ``T*V`` vocabulary (the loss off by
             ``log T``); use ``F.cross_entropy`` on those.
         target: integer ``[..]`` (the logits' leading dims) of global ids in ``0 .. T*Vl - 1``, or
-            ``ignore_index``; the same on every rank.
+            ``ignore_index``; the same on every rank (a replicated DTensor is taken as its local copy).
         group: the tensor-parallel group (a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)``); default
             a DTensor's mesh, else ``smptk.parallel.current().group("tp")``; another group than a
             DTensor's mesh is refused.
@@ -162,6 +162,13 @@ def vocab_parallel_cross_entropy(
         raise ValueError(
             f"logits_local: expected shape [..., V/T] with V/T >= 1, got {tuple(logits_local.shape)}"
         )
+    if isinstance(target, DTensor):
+        if not all(p.is_replicate() for p in target.placements):
+            raise ValueError(
+                f"target: a DTensor must be replicated (the same ids on every rank), got placements "
+                f"{tuple(target.placements)}"
+            )
+        target = target.to_local()
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dtype == torch.bool:
         raise TypeError(f"target: expected an integer tensor of class ids, got {_describe(target)}")
     if tuple(target.shape) != tuple(logits_local.shape[:-1]):
