@@ -39,7 +39,11 @@ COMMON = [
     "moe_sequence_parallel",
     "errors",
 ]
-JOB_CASES = {2: [*COMMON, "triton", "dropout"], 3: ["embedding", "cross_entropy", "styles"], 4: [*COMMON, "fsdp"]}
+JOB_CASES = {
+    2: [*COMMON, "triton", "dropout"],
+    3: ["embedding", "cross_entropy", "styles"],
+    4: [*COMMON, "fsdp"],
+}
 DEADLINE_S = {2: 150, 3: 120, 4: 180}
 ENV = {
     2: {"SMPTK_COMM_MAX_SMS": "1", "SMPTK_COMM_HEAP_BYTES": str(64 * 1024)},
