@@ -11,6 +11,11 @@ seed so that only the load can make its values right:
 5. ``broadcast``: TP 2 x DP 2 again; rank 0 alone holds the full state of phase 3 and
    ``load_full_state_dict`` broadcasts it.
 
+Later phases check what a user meets: full state dicts that stay snapshots, refusals on every rank,
+optimizer groups matched by name, ``extra`` from rank 0, and (14, 15) a resume with dropout (a
+``fork_rng("tp")`` region and a replicated ``nn.Dropout``, full activation checkpointing) that repeats the
+uninterrupted step bit for bit, and a save whose ranks' generators are out of step warning.
+
 After every load, each parameter and each optimizer state tensor, gathered whole
 (``get_full_state_dict(rank0_only=False)``), must equal what was saved bit for bit, and the step must
 come back. The full states of phases 1 and 3 go back to the pytest process, which loads both
@@ -28,6 +33,7 @@ import os
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,6 +41,7 @@ from smptk.parallel.dcp import _map_tensors
 
 VOCAB, HIDDEN, FFN, SEQ, BATCH = 12, 8, 16, 5, 4
 LR = 1e-2
+DROPOUT = 0.3
 
 
 class Block(nn.Module):
@@ -50,14 +57,34 @@ class Block(nn.Module):
         return x + self.down(self.act(self.up(x)))
 
 
-class TinyLM(nn.Module):
-    """ids ``[b, s]`` -> logits ``[b, s, VOCAB]`` (vocab-sharded ``[b, s, VOCAB/T]`` under TP)."""
+class DropoutBlock(Block):
+    """``x + dropout(down(dropout_tp(act(up(x)))))``: ``dropout_tp`` on the tp-sharded ``[b, s, FFN/T]``
+    activation inside ``state.fork_rng("tp")``, the other (``nn.Dropout``) on the replicated output."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, state) -> None:
+        super().__init__()
+        self.state = state
+        self.drop = nn.Dropout(DROPOUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.up(x))
+        with self.state.fork_rng("tp"):
+            h = F.dropout(h, DROPOUT, self.training)
+        return x + self.drop(self.down(h))
+
+
+class TinyLM(nn.Module):
+    """ids ``[b, s]`` -> logits ``[b, s, VOCAB]`` (vocab-sharded ``[b, s, VOCAB/T]`` under TP); with a
+    ``dropout_state``, its blocks are dropout blocks (:class:`DropoutBlock`)."""
+
+    def __init__(self, seed: int, dropout_state=None) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        if dropout_state is None:
+            self.blocks = nn.ModuleList([Block(), Block()])
+        else:
+            self.blocks = nn.ModuleList([DropoutBlock(dropout_state), DropoutBlock(dropout_state)])
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -78,17 +105,21 @@ def tp_plan() -> dict:
     return plan
 
 
-def build(state, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """TinyLM under ``state``'s config (TP when tp > 1, then apply_data_parallel) and its Adam."""
+def build(state, seed: int, dropout: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """TinyLM under ``state``'s config (TP when tp > 1, then apply_data_parallel) and its Adam; with
+    ``dropout``, its dropout blocks under full activation checkpointing."""
+    from smptk.parallel import apply_activation_checkpointing
     from smptk.parallel.fsdp import apply_data_parallel
 
-    model = TinyLM(seed)
+    model = TinyLM(seed, state if dropout else None)
     if state.sizes["tp"] > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
         for block in model.blocks:  # the GELU runs fused in the column-parallel up projection
             block.act = nn.Identity()
         parallelize_module(model, state.submesh("tp"), tp_plan())
+    if dropout:
+        apply_activation_checkpointing(model, mode="full")
     model, _ = apply_data_parallel(model, state, reshard_after_forward=False, use_smptk_collectives=False)
     return model, torch.optim.Adam(model.parameters(), lr=LR)
 
@@ -363,6 +394,44 @@ def run(rank: int, world: int, ckpt_dir: str) -> dict:
     back = Position(None)
     load_checkpoint(path, model, extra={"data": back})
     out["problems"]["extra from rank 0"] = [] if back.value == (100, [100.0, 100.0]) else [str(back.value)]
+
+    # 14. Dropout (a fork_rng("tp") region and a replicated nn.Dropout) under full activation checkpointing:
+    # one step, save, one more step; then a model from another seed, the load, that step again gives the
+    # same loss and state bit for bit (the generator state is in the checkpoint; without it the resumed
+    # step drew other masks).
+    path = os.path.join(ckpt_dir, "dropout")
+    state = init("tp2_dp2")
+    model, opt = build(state, seed=1, dropout=True)
+    step(model, opt, state, 0)
+    save_checkpoint(path, model, opt, step=1)
+    want_loss, want = step(model, opt, state, 1), full_state(model, opt)
+    state = init("tp2_dp2")
+    model, opt = build(state, seed=8, dropout=True)
+    load_checkpoint(path, model, opt)
+    got_loss = step(model, opt, state, 1)
+    problems = differences(full_state(model, opt), want)
+    out["problems"]["dropout resumes exactly"] = problems + (
+        [f"loss {got_loss!r}, uninterrupted {want_loss!r}"] if got_loss != want_loss else []
+    )
+
+    # 15. Generators out of step (rank 1 reseeded on its own): the save warns on every rank, and the load
+    # gives every rank rank 0's state.
+    if rank == 1:
+        torch.manual_seed(99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_checkpoint(path, model)
+    said = [str(w.message) for w in caught if "generator states" in str(w.message)]
+    problems = [] if any("ranks [1] differ from rank 0's" in m for m in said) else [f"warnings {said}"]
+    load_checkpoint(path, model)
+    states = [torch.empty_like(torch.get_rng_state()) for _ in range(world)]
+    dist.all_gather(states, torch.get_rng_state())
+    problems += [
+        f"rank {r}'s state after the load is not rank 0's"
+        for r in range(world)
+        if not torch.equal(states[r], states[0])
+    ]
+    out["problems"]["generators out of step"] = problems
 
     sp.reset()
     if rank == 0:

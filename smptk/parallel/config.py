@@ -458,10 +458,11 @@ class ParallelState:
         current CUDA device with a hash of that number and :meth:`seed_for` ``(*dims)``; leaving gives
         them back their states (``torch.random.fork_rng``). The draw gives every call (layer, step,
         micro-batch) masks of its own, and a checkpointed unit's recompute, which restores the default CPU
-        generator before it runs the unit again, the forward's masks. Use ``fork_rng("tp")`` around the
-        dropout of a tp-sharded or sequence-parallel activation, whose tp ranks hold different elements
-        (Megatron-LM's model-parallel region); ``fork_rng("dp", "tp")`` for masks of their own on every
-        data-parallel rank as well.
+        generator before it runs the unit again, the forward's masks; a run resumed with
+        :func:`smptk.parallel.load_checkpoint`, which restores that generator too, the uninterrupted
+        run's. Use ``fork_rng("tp")`` around the dropout of a tp-sharded or sequence-parallel activation,
+        whose tp ranks hold different elements (Megatron-LM's model-parallel region);
+        ``fork_rng("dp", "tp")`` for masks of their own on every data-parallel rank as well.
 
         Example (one process: a world of 1)::
 

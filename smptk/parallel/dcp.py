@@ -21,9 +21,19 @@ A checkpoint saved under one parallel config loads under any other with identica
   rank reads the file and no rank holds more than one full tensor beyond its shards.
   :func:`get_full_state_dict` is the way back (rank 0 gets full tensors on CPU).
 
-Layout on disk: the state dict ``{"model": ..., "optim": ..., "step": int, "extra": {...}}`` (``optim``
-only when an optimizer is given, ``step`` and ``extra`` only when given), flattened by DCP into keys such as
-``model.blocks.0.up.weight`` and ``optim.state.blocks.0.up.weight.exp_avg``.
+Layout on disk: the state dict ``{"model": ..., "optim": ..., "step": int, "extra": {...}, "rng": bytes}``
+(``optim`` only when an optimizer is given, ``step`` and ``extra`` only when given, ``rng`` unless
+``rng=False``), flattened by DCP into keys such as ``model.blocks.0.up.weight`` and
+``optim.state.blocks.0.up.weight.exp_avg``.
+
+RNG: ``rng`` holds rank 0's states of torch's default generators (the CPU one, and the current CUDA
+device's where CUDA is in use), which :func:`load_checkpoint` gives back to every rank. They are one state
+for the whole job because smptk keeps them in step on every rank (``init`` seeds them alike;
+``ParallelState.fork_rng`` derives each rank's masks from a draw they all make), so dropout, replicated
+or in a ``fork_rng`` region, draws after a resume under the same config the masks the uninterrupted run
+would have drawn (under another config each rank holds other slices of the activations, so other masks).
+A save whose ranks' states differ (a rank reseeded on its own) warns: the resume gives every rank rank
+0's.
 
 Every call is collective over the default process group (every rank calls it with the same path).
 
@@ -68,7 +78,7 @@ from torch.distributed.tensor import DTensor
 
 from smptk.parallel.shard_init import local as _local
 
-MODEL_KEY, OPTIM_KEY, STEP_KEY, EXTRA_KEY = "model", "optim", "step", "extra"
+MODEL_KEY, OPTIM_KEY, STEP_KEY, EXTRA_KEY, RNG_KEY = "model", "optim", "step", "extra", "rng"
 OPTIM_CLASS_KEY = "optim_class"  # the optimizer's class, "module.QualName" (absent from older checkpoints)
 
 
@@ -217,6 +227,7 @@ def save_checkpoint(
     *,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
 ) -> None:
     """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` with DCP.
 
@@ -235,8 +246,13 @@ def save_checkpoint(
             scheduler, a data loader's position), the same on every rank: rank 0's is written, whole (each
             object's state as one ``torch.save`` value, so a load gets exactly what was saved, keys the new
             object lacks included); pass the same names to :func:`load_checkpoint`.
+        rng: save rank 0's states of torch's default generators (CPU, and the current CUDA device's where
+            CUDA is initialized), which :func:`load_checkpoint` restores on every rank, so dropout draws
+            the masks of the uninterrupted run (see the module docstring). It warns when the ranks'
+            states differ. Not Python's ``random`` nor NumPy's, nor generators made with
+            ``torch.Generator()`` (pass those in ``extra``).
 
-    Not saved unless passed in ``extra``: the LR scheduler, the data position, RNG states (per rank), and
+    Not saved unless passed in ``extra``: the LR scheduler, the data position, and
     the token counts an :class:`smptk.parallel.MoE` gathered since its last ``update_expert_bias`` (a
     warning says when some are pending: save right after an update for an exact resume).
 
@@ -263,13 +279,20 @@ def save_checkpoint(
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step: expected an int >= 0 or None, got {step!r}")
     _check_extra(extra)
+    _check_rng(rng)
     _warn_pending_moe_counts(model)
     state = _state_dicts(model, optimizer)
     if optimizer is not None:
         state[OPTIM_CLASS_KEY] = _class_name(optimizer)
     if step is not None:
         state[STEP_KEY] = step
-    if extra and (not _distributed() or dist.get_rank() == 0):
+    rank0 = not _distributed() or dist.get_rank() == 0
+    if rng:
+        states = _rng_states()
+        _warn_rng_out_of_step(states)
+        if rank0:
+            state[RNG_KEY] = _to_bytes(states)
+    if extra and rank0:
         # One value per name, torch.save's bytes of the whole state: DCP would drop an empty dict, and a
         # load would read only the keys the new object's state_dict has (a dict grown in training, a
         # data loader's per-source positions, would come back empty). Rank 0's alone is written.
@@ -277,6 +300,46 @@ def save_checkpoint(
     Path(path).mkdir(parents=True, exist_ok=True)
     with _single_process_intended(), _checkpoint_errors(f"saving the checkpoint at {path!r}"):
         _dcp().save(state, checkpoint_id=path, no_dist=not _distributed())
+
+
+def _check_rng(rng: object) -> None:
+    if not isinstance(rng, bool):
+        raise TypeError(f"rng: expected a bool, got {type(rng).__name__}")
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    """This rank's states of torch's default generators: "cpu", and "cuda" (the current device's) where
+    CUDA is initialized (asking an uninitialized CUDA would initialize it)."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: Mapping[str, torch.Tensor]) -> None:
+    """Restore :func:`_rng_states`'s ``states``; a CUDA state where this process has no CUDA is left out
+    (a GPU run's checkpoint resumed on a CPU)."""
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _warn_rng_out_of_step(states: Mapping[str, torch.Tensor]) -> None:
+    """Warn (on every rank) when the ranks' generator states differ: the checkpoint keeps rank 0's."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return
+    mine = {k: bytes(v.cpu().numpy()) for k, v in states.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        warnings.warn(
+            f"save_checkpoint: torch's default generator states of ranks {differ[:8]}"
+            f"{' ...' if len(differ) > 8 else ''} differ from rank 0's (a rank drew or seeded on its own); "
+            "the checkpoint keeps rank 0's, which load_checkpoint gives every rank, so those ranks' random "
+            "draws after a resume differ from the uninterrupted run's (rng=False saves none)",
+            stacklevel=3,
+        )
 
 
 def _class_name(optimizer: torch.optim.Optimizer) -> str:
@@ -332,7 +395,7 @@ def _warn_pending_moe_counts(model: nn.Module) -> None:
 
 def checkpoint_keys(path: str | os.PathLike) -> list[str]:
     """The flattened keys a checkpoint holds (``model.<name>``, ``optim.state.<name>.<field>``,
-    ``optim_class``, ``step``).
+    ``optim_class``, ``step``, ``rng``, ``extra.<name>``).
 
     Reads only the ``.metadata`` file; FileNotFoundError names ``path`` when there is none.
 
@@ -351,7 +414,7 @@ def checkpoint_keys(path: str | os.PathLike) -> list[str]:
         >>> sorted(k for k in keys if not k.startswith("optim.param_groups."))  # and a key per group option
         ['model.bias', 'model.weight', 'optim.state.bias.exp_avg', 'optim.state.bias.exp_avg_sq',
          'optim.state.bias.step', 'optim.state.weight.exp_avg', 'optim.state.weight.exp_avg_sq',
-         'optim.state.weight.step', 'optim_class', 'step']
+         'optim.state.weight.step', 'optim_class', 'rng', 'step']
     """
     path = _check_path(path)
     from torch.distributed.checkpoint import FileSystemReader
@@ -377,6 +440,7 @@ def load_checkpoint(
     *,
     strict: bool = True,
     extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
 ) -> int | None:
     """Load a :func:`save_checkpoint` directory into ``model`` (and ``optimizer``), under any config.
 
@@ -403,6 +467,9 @@ def load_checkpoint(
             checkpoint lacks keeps its settings). Either way the model part must match something.
         extra: ``{name: object}`` saved with ``save_checkpoint(..., extra=...)``: each object's
             ``load_state_dict`` gets its saved state (KeyError when the checkpoint has no such name).
+        rng: restore the generator states the checkpoint holds (rank 0's at the save, on every rank: see
+            :func:`save_checkpoint`); a checkpoint without them (saved with ``rng=False``, or before they
+            were saved) leaves the generators as they are, as does False.
 
     Returns:
         The ``step`` given to :func:`save_checkpoint`, or None when it was given none.
@@ -413,6 +480,7 @@ def load_checkpoint(
     keys = checkpoint_keys(path)
     _check_materialized(model)
     _check_extra(extra)
+    _check_rng(rng)
     absent = [n for n in extra or {} if not _extra_format(keys, n)]
     if absent:
         raise KeyError(
@@ -443,7 +511,7 @@ def load_checkpoint(
             )
     fresh = optimizer is not None and not optimizer.state
     try:
-        return _load(path, keys, model, optimizer, strict, extra, saved_model, saved_state, saved_groups)
+        return _load(path, keys, model, optimizer, strict, extra, rng, saved_model, saved_state, saved_groups)
     except BaseException:
         if fresh:  # the template's made-up state (a step at lr 0) must not outlive a failed load
             optimizer.state.clear()
@@ -497,6 +565,7 @@ def _load(
     optimizer: torch.optim.Optimizer | None,
     strict: bool,
     extra: Mapping[str, Any] | None,
+    rng: bool,
     saved_model: set[str],
     saved_state: bool,
     saved_groups: list[int],
@@ -547,6 +616,8 @@ def _load(
         )
     if STEP_KEY in keys:
         state[STEP_KEY] = 0
+    if rng and RNG_KEY in keys:
+        state[RNG_KEY] = b""
     formats = {name: _extra_format(keys, name) for name in extra or {}}
     if extra:
         state[EXTRA_KEY] = {
@@ -570,6 +641,8 @@ def _load(
     for name, obj in (extra or {}).items():
         saved = state[EXTRA_KEY][name]
         obj.load_state_dict(_from_bytes(saved) if formats[name] == "bytes" else saved)
+    if RNG_KEY in state:
+        _set_rng_states(_from_bytes(state[RNG_KEY]))
     if not strict and (missing or unexpected):
         warnings.warn(
             f"load_checkpoint(strict=False) from {path!r}: {len(missing)} of the model's entries were not in "
