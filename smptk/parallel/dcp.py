@@ -250,7 +250,8 @@ def save_checkpoint(
             CUDA is initialized), which :func:`load_checkpoint` restores on every rank, so dropout draws
             the masks of the uninterrupted run (see the module docstring). It warns when the ranks'
             states differ. Not Python's ``random`` nor NumPy's, nor generators made with
-            ``torch.Generator()`` (pass those in ``extra``).
+            ``torch.Generator()`` (for those, pass in ``extra`` an object whose ``state_dict`` and
+            ``load_state_dict`` call their ``get_state`` and ``set_state``).
 
     Not saved unless passed in ``extra``: the LR scheduler, the data position, and
     the token counts an :class:`smptk.parallel.MoE` gathered since its last ``update_expert_bias`` (a
