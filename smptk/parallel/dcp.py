@@ -329,10 +329,14 @@ def _warn_rng_out_of_step(states: Mapping[str, torch.Tensor]) -> None:
     """Warn (on every rank) when the ranks' generator states differ: the checkpoint keeps rank 0's."""
     if not _distributed() or dist.get_world_size() == 1:
         return
-    mine = {k: bytes(v.cpu().numpy()) for k, v in states.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    dist.all_gather_object(everyone, {k: v.cpu() for k, v in states.items()})
+    first = everyone[0]
+    differ = [
+        r
+        for r, theirs in enumerate(everyone)
+        if theirs.keys() != first.keys() or not all(torch.equal(theirs[k], first[k]) for k in first)
+    ]
     if differ:
         warnings.warn(
             f"save_checkpoint: torch's default generator states of ranks {differ[:8]}"
