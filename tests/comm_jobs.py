@@ -284,6 +284,56 @@ def case_all_to_all_equal(
     c.guards("result", buf, GUARD, out.numel())
 
 
+def case_aliased(c: Case, world: int, rank: int, *, collective: str, dtype: str) -> None:
+    """``output`` over ``input``, against gloo on separate tensors: float32 on the kernel and copy-engine
+    paths, float64 on the fallback. The in-place pattern engines use (all-gather: input = this rank's
+    block of output; reduce-scatter: output = this rank's block of input) and other overlaps (one element
+    off; all-to-all with output = input: a cyclic split matrix, whose rows move at W >= 3). The kernels'
+    programs write output tiles while others still stage input, and gloo's all_to_all reads while it
+    writes: the other overlaps were wrong before such inputs were copied first."""
+    dt = getattr(torch, dtype)
+    kernel = dt in DTYPES.values()
+    algorithms = ("kernel", "copy_engine") if kernel and collective != "reduce_scatter" else ("auto",)
+
+    def expect(alg: str) -> str:
+        return {"copy_engine": "copy_engine"}.get(alg, "symmetric") if kernel else "torch.distributed:gloo"
+
+    gen = seeded_gen(c.cid, rank)
+    if collective == "all_gather":
+        for n, offset in ((300, rank * 300), (300, 1)):  # 3 interpreter tiles of fp32
+            for alg in algorithms:
+                x = sample("int", dt, (n,), gen)
+                expected = torch.empty(world * n, dtype=dt)
+                dist_all_gather(expected, x)
+                buf = torch.zeros(world * n + 1, dtype=dt)
+                buf[offset : offset + n] = x
+                out = buf[: world * n]
+                comm.all_gather_into_tensor(out, buf[offset : offset + n], algorithm=alg)
+                c.path(f"n={n} input at {offset} {alg}", expect(alg))
+                c.equal(f"n={n} input at {offset} {alg}", out, expected)
+    elif collective == "reduce_scatter":
+        big = heap_elems(dt) // world + 7  # two chunks
+        for n, offset in ((7, rank * 7), (big, rank * big), (300, 1)):
+            x = sample("int", dt, (world * n + 1,), gen)
+            expected = torch.empty(n, dtype=dt)
+            dist_reduce_scatter(expected, x[: world * n].clone())
+            out = x[offset : offset + n]
+            comm.reduce_scatter_tensor(out, x[: world * n])
+            c.path(f"n={n} output at {offset}", expect("auto"))
+            c.equal(f"n={n} output at {offset}", out, expected)
+    else:
+        k = 120 if kernel else 5  # rows of one element; at W >= 3 the largest segment takes 2 rounds
+        S = [[((d - r) % world + 1) * k for d in range(world)] for r in range(world)]
+        send, recv = S[rank], [S[q][rank] for q in range(world)]
+        for alg in algorithms:
+            x = sample("int", dt, (sum(send),), gen)
+            expected = torch.empty(sum(recv), dtype=dt)
+            dist.all_to_all_single(expected, x.clone(), recv, send)
+            comm.all_to_all_single(x, x, recv, send, algorithm=alg)
+            c.path(f"send {send} recv {recv} {alg}", expect(alg))
+            c.equal(f"send {send} recv {recv} {alg}", x, expected)
+
+
 def case_split_mismatch(c: Case, world: int, rank: int, *, algorithm: str) -> None:
     """Rank W-1 expects one row more from rank 0 and one fewer from rank 1 than they send (its total
     right): every rank raises CommMismatchError naming the pairs, and the group stays usable."""
@@ -941,6 +991,9 @@ def catalog(world: int) -> list[Spec]:
     add("all_to_all-idle-agreed", **a2a, pattern="idle_beyond_heap", row_shape=(5,), splits="agreed")
     for alg in ("kernel", "copy_engine"):
         add(f"split_mismatch-{alg}", case_split_mismatch, algorithm=alg)
+    for collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        for dtype in ("float32", "float64"):
+            add(f"aliased-{collective}-{dtype}", case_aliased, collective=collective, dtype=dtype)
     add(
         "all_to_all-uneven-max_sms3",
         case_all_to_all,

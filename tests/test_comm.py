@@ -120,6 +120,13 @@ def test_all_to_all_splits_that_disagree_raise_on_every_rank(world: int, cid: st
     assert_case(world, cid)
 
 
+@pytest.mark.parametrize(("world", "cid"), cases("aliased"))
+def test_output_over_input_matches_gloo_on_separate_tensors(world: int, cid: str) -> None:
+    """The in-place all-gather and reduce-scatter, and outputs over inputs in other ways (all-to-all
+    output = input): gloo's result on separate tensors, on the kernel, copy-engine and fallback paths."""
+    assert_case(world, cid)
+
+
 @pytest.mark.parametrize(("world", "cid"), cases("interleaved"))
 def test_interleaved_calls_reuse_signal_pads(world: int, cid: str) -> None:
     assert_case(world, cid)

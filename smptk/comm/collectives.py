@@ -502,6 +502,37 @@ def _check_pair(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tenso
         raise ValueError(f"{out_name}: on {out.device} but {in_name} is on {inp.device}")
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the contiguous tensors ``a`` and ``b`` share a byte of memory (on one device)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta":
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _is_block(part: torch.Tensor, whole: torch.Tensor, index: int) -> bool:
+    """Whether ``part`` is block ``index`` of ``whole`` (contiguous; blocks of ``part.numel()`` elements)."""
+    return part.data_ptr() == whole.data_ptr() + index * part.numel() * part.element_size()
+
+
+def _apart(input: torch.Tensor, output: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """``input``, or a copy of it where it shares memory with ``output``, so that no write to ``output``
+    lands on input that a rank has yet to read.
+
+    The kernels' programs run their phases independently (program p writes its output tiles while
+    another program may still be staging its own input tiles), a message goes in chunks or rounds, and
+    gloo's all_to_all reads its input while it writes; so output over input is safe only where every
+    output element is written from the input element at its own address. ``in_place``: the call is the
+    in-place pattern engines use (the all-gather's input is this rank's block of its output, the
+    reduce-scatter's output this rank's block of its input; see :func:`_is_block`), which runs as given,
+    without a copy, on every path.
+    """
+    if in_place or not _overlaps(input, output):
+        return input
+    with torch.no_grad():
+        return input.clone()
+
+
 def _as_int(name: str, value: object) -> int:
     """``value`` as an int: an int, or a float with an integer value (numpy's scalars included)."""
     integral = isinstance(value, numbers.Integral) or (
@@ -1002,6 +1033,9 @@ def all_gather_into_tensor(
 
     Same semantics as ``dist.all_gather_into_tensor``: ``output`` may be ``[world * d0, ...]`` or
     ``[world, *input.shape]``; only the element count and dtype must match. Returns ``output``.
+    ``input`` may be this rank's block of ``output`` (``output.narrow(0, rank * d0, d0)``: the in-place
+    all-gather of FSDP and Megatron), which runs without a copy; an ``input`` that overlaps ``output``
+    in any other way is copied first.
 
     ``algorithm``: "kernel" (``max_sms`` programs move the data), "copy_engine" (no SM moves data: each
     rank copies its input into its heap region, and after a one-program signal kernel copies every
@@ -1030,6 +1064,7 @@ def all_gather_into_tensor(
         )
     programs = _max_sms(max_sms)
     copy_engine = _copy_algorithm(algorithm)
+    input = _apart(input, output, in_place=_is_block(input, output, dist.get_rank(g)))
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype):
         # flat views: gloo takes only a [world * d0, ...] output, the heap path any shape of that size
@@ -1093,7 +1128,9 @@ def reduce_scatter_tensor(
 ) -> torch.Tensor:
     """Reduce ``input`` (``world * output.numel()`` elements) over ranks; rank r keeps block r in ``output``.
 
-    Same semantics as ``dist.reduce_scatter_tensor``. Returns ``output``.
+    Same semantics as ``dist.reduce_scatter_tensor``. Returns ``output``. ``output`` may be this rank's
+    block of ``input`` (the in-place reduce-scatter), which runs without a copy; an ``output`` that
+    overlaps ``input`` in any other way has ``input`` copied first.
 
     Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -1119,6 +1156,7 @@ def reduce_scatter_tensor(
     _check_avg_dtype(op, input.dtype)
     code = OPS[op]
     programs = _max_sms(max_sms)
+    input = _apart(input, output, in_place=_is_block(output, input, dist.get_rank(g)))
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype, op):
         _torch_reduce_scatter(output, input, op, g)
@@ -1220,7 +1258,8 @@ def all_to_all_single(
     already knows it (e.g. from a count matrix all ranks hold) and passes the same value. The call then
     skips the exchange and its host read, and trusts the splits. ``algorithm``: "kernel", "copy_engine"
     (tensor copies of the peers' heap regions between one-program signal kernels; see
-    :func:`all_gather_into_tensor`) or "auto" ("kernel"). Returns ``output``.
+    :func:`all_gather_into_tensor`) or "auto" ("kernel"). Returns ``output``. ``output`` may overlap
+    ``input`` (``input`` is then copied first; gloo's own all_to_all_single gives wrong rows there).
 
     Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -1263,6 +1302,7 @@ def all_to_all_single(
             )
     programs = _max_sms(max_sms)
     copy_engine = _copy_algorithm(algorithm)
+    input = _apart(input, output)
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype):
         dist.all_to_all_single(output, input, out_rows, in_rows, group=g)
