@@ -26,6 +26,9 @@ What the cases hold (legend: W ranks, n elements per rank, ``heap`` = HEAP_BYTES
 - Outputs are views into buffers poisoned with NaN (int32: a sentinel) with 300 guard elements each side
   (more than one 256-element interpreter tile): an unwritten output element or a write past either end
   fails.
+- Outputs over inputs (the in-place all-gather and reduce-scatter, other overlaps, all-to-all with
+  output = input) on the kernel, copy-engine and fallback paths; all-to-all split sizes that disagree
+  between ranks, on those paths too.
 - Repeated, interleaved calls of all four collectives (signal-pad reuse across sizes, dtypes, max_sms);
   all four on a sub-group (``dist.new_group``) next to the default group.
 - Fallback paths (float64; int32 avg) and ``last_path()``; bad arguments on every rank, after which the
@@ -334,15 +337,18 @@ def case_aliased(c: Case, world: int, rank: int, *, collective: str, dtype: str)
             c.equal(f"send {send} recv {recv} {alg}", x, expected)
 
 
-def case_split_mismatch(c: Case, world: int, rank: int, *, algorithm: str) -> None:
+def case_split_mismatch(c: Case, world: int, rank: int, *, algorithm: str, dtype: str = "float32") -> None:
     """Rank W-1 expects one row more from rank 0 and one fewer from rank 1 than they send (its total
-    right): every rank raises CommMismatchError naming the pairs, and the group stays usable."""
+    right): every rank raises CommMismatchError naming the pairs, and the group stays usable. float64
+    takes the fallback, where gloo's own all_to_all_single raised on rank W-1 and left the others
+    waiting."""
+    dt = getattr(torch, dtype)
     send = [2] * world
     recv = [2] * world
     if rank == world - 1:
         recv[0], recv[1] = 3, 1
-    x = torch.randn(sum(send), 3, generator=seeded_gen(c.cid, rank))
-    out = torch.empty(sum(recv), 3)
+    x = torch.randn(sum(send), 3, generator=seeded_gen(c.cid, rank), dtype=dt)
+    out = torch.empty(sum(recv), 3, dtype=dt)
     expected = [0, 1, world - 1] if world > 2 else [0, 1]
     try:
         comm.all_to_all_single(out, x, recv, send, algorithm=algorithm)
@@ -356,11 +362,12 @@ def case_split_mismatch(c: Case, world: int, rank: int, *, algorithm: str) -> No
                 c.fail(f"message does not name the pair ({pair!r}): {e}")
     except Exception as e:
         c.fail(f"raised {type(e).__name__} instead of CommMismatchError: {e}")
-    expected_out = torch.empty(2 * world, 3)
+    expected_out = torch.empty(2 * world, 3, dtype=dt)
     dist.all_to_all_single(expected_out, x)
-    out = torch.empty(2 * world, 3)
+    out = torch.empty(2 * world, 3, dtype=dt)
     comm.all_to_all_single(out, x, algorithm=algorithm)
-    c.path("the next call", "copy_engine" if algorithm == "copy_engine" else "symmetric")
+    path = "copy_engine" if algorithm == "copy_engine" else "symmetric"
+    c.path("the next call", path if dt == torch.float32 else "torch.distributed:gloo")
     c.equal("the next call", out, expected_out)
 
 
@@ -991,6 +998,7 @@ def catalog(world: int) -> list[Spec]:
     add("all_to_all-idle-agreed", **a2a, pattern="idle_beyond_heap", row_shape=(5,), splits="agreed")
     for alg in ("kernel", "copy_engine"):
         add(f"split_mismatch-{alg}", case_split_mismatch, algorithm=alg)
+    add("split_mismatch-fallback", case_split_mismatch, algorithm="auto", dtype="float64")
     for collective in ("all_gather", "reduce_scatter", "all_to_all"):
         for dtype in ("float32", "float64"):
             add(f"aliased-{collective}-{dtype}", case_aliased, collective=collective, dtype=dtype)

@@ -77,7 +77,8 @@ class CommError(RuntimeError):
     """A collective could not run (broken heap, inconsistent arguments across ranks).
 
     The base of :class:`CommTimeoutError` and :class:`CommMismatchError`, which the symmetric path raises
-    (the torch.distributed fallback raises torch's own errors); catch it for either.
+    (the torch.distributed fallback raises torch's own errors, but for all_to_all_single's split check,
+    which runs on every path); catch it for either.
 
     Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -1304,23 +1305,23 @@ def all_to_all_single(
     copy_engine = _copy_algorithm(algorithm)
     input = _apart(input, output)
     heap = _heap(g, input)
-    if not _symmetric_ok(heap, input.dtype):
-        dist.all_to_all_single(output, input, out_rows, in_rows, group=g)
-        _fallback(g)
-        return output
     # Splits count rows of each tensor; a row's element count may differ between input and output (a
     # [4, 3] input into a flat [12] output, as torch.distributed allows), so each side uses its own.
     in_len = [r * row_in for r in in_rows]
     out_len = [r * row_out for r in out_rows]
+    if agreed_max_split is None:  # on the fallback too: torch's would fail on one rank and hang another
+        peak = _exchange_splits(g, in_len, out_len, input.device)
+    else:
+        peak = agreed_max_split * max(row_in, row_out)
+    if not _symmetric_ok(heap, input.dtype):
+        dist.all_to_all_single(output, input, out_rows, in_rows, group=g)
+        _fallback(g)
+        return output
     in_start = [sum(in_len[:d]) for d in range(world)]
     out_start = [sum(out_len[:d]) for d in range(world)]
     slot = _vector_floor(_heap_elems(heap, input.dtype) // world, input.dtype)
     if slot == 0:
         raise CommError(f"heap_bytes={heap.heap_bytes} is too small for {world} ranks")
-    if agreed_max_split is None:
-        peak = _exchange_splits(g, in_len, out_len, input.device)
-    else:
-        peak = agreed_max_split * max(row_in, row_out)
     n_rounds = max(-(-peak // slot), 1)  # the same on every rank: ranks launch the same calls
     src, dst = input.view(-1), output.view(-1)
     if copy_engine:
