@@ -656,6 +656,19 @@ def test_world1_all_to_all_1d_input_into_2d_output(world1) -> None:
     assert torch.equal(out, expected), f"output {out.flatten().tolist()}"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["symmetric", "fallback"])
+def test_world1_all_to_all_of_0d_tensors(world1, dtype) -> None:
+    """A 0-d input and output are one row of one element, as torch takes them with None splits."""
+    inp = torch.tensor(5.0, dtype=dtype)
+    expected = torch.tensor(-1.0, dtype=dtype)
+    dist.all_to_all_single(expected, inp)
+    for splits in (None, [1]):
+        out = torch.tensor(-1.0, dtype=dtype)
+        comm.all_to_all_single(out, inp, splits, splits)
+        assert torch.equal(out, expected), f"splits {splits}: {out.item()} on {comm.last_path()}"
+
+
 def test_expect_raises_can_fail() -> None:
     """The jobs' bad-input checker reports a missing error, a wrong type and a message without the text."""
     assert expect_raises(lambda: None, ValueError, "x") == "no error, expected ValueError containing 'x'"

@@ -1287,9 +1287,10 @@ def all_to_all_single(
     in_rows = _splits("input_split_sizes", input_split_sizes, input, world)
     out_rows = _splits("output_split_sizes", output_split_sizes, output, world)
     # elements per row from the shape, not from a row: a rank with no rows has rows of the same width, and
-    # agreed_max_split * width sizes the rounds every rank must agree on (0 gave it 1 round, the others 2+)
-    row_in = math.prod(input.shape[1:]) if input.dim() else 0
-    row_out = math.prod(output.shape[1:]) if output.dim() else 0
+    # agreed_max_split * width sizes the rounds every rank must agree on (0 gave it 1 round, the others 2+);
+    # a 0-d tensor is one row of one element, as _splits counts it
+    row_in = math.prod(input.shape[1:])
+    row_out = math.prod(output.shape[1:])
     if input.dim() > 1 and output.dim() > 1 and input.shape[1:] != output.shape[1:]:
         raise ValueError(
             f"output: rows of shape {tuple(output.shape[1:])} but input rows are {tuple(input.shape[1:])}"
@@ -1314,7 +1315,8 @@ def all_to_all_single(
     else:
         peak = agreed_max_split * max(row_in, row_out)
     if not _symmetric_ok(heap, input.dtype):
-        dist.all_to_all_single(output, input, out_rows, in_rows, group=g)
+        # 0-d tensors as the one row they count as: torch reads split sizes along dim 0
+        dist.all_to_all_single(torch.atleast_1d(output), torch.atleast_1d(input), out_rows, in_rows, group=g)
         _fallback(g)
         return output
     in_start = [sum(in_len[:d]) for d in range(world)]
