@@ -462,6 +462,16 @@ def case_fallback(c: Case, world: int, rank: int, *, which: str) -> None:
         comm.reduce_scatter_tensor(out, xs, op="avg")
         c.path("reduce_scatter avg", gloo)
         c.equal("reduce_scatter avg", out, torch.div(total, world, rounding_mode="floor"))
+        # sums past the dtype's range (int8: 100 + 101 + ...), averages inside it: summed in int64
+        for dt, base in ((torch.int8, 100), (torch.uint8, 200), (torch.int32, 2**30 + 7)):
+            x = torch.full((5,), base + rank, dtype=dt)
+            mean = torch.full((5,), base + (world - 1) // 2, dtype=dt)  # floor of base + mean(0..W-1)
+            y = x.clone()
+            comm.all_reduce(y, op="avg")
+            c.equal(f"all_reduce avg {dt} of {base} + rank", y, mean)
+            out = torch.empty(5, dtype=dt)
+            comm.reduce_scatter_tensor(out, x.repeat(world), op="avg")
+            c.equal(f"reduce_scatter avg {dt} of {base} + rank", out, mean)
     # The next kernel-path call says "symmetric" again.
     y = torch.ones(3)
     comm.all_reduce(y)

@@ -927,7 +927,8 @@ def all_reduce(
 
     Args:
         tensor: contiguous; fp32/bf16/fp16/int32 take the symmetric path (fp32 accumulation for 16-bit;
-            the fallback's "avg" sums 16-bit floats in fp32 too where it sums and divides, e.g. gloo).
+            the fallback's "avg" sums 16-bit floats in fp32 too where it sums and divides, e.g. gloo,
+            and integers narrower than 64 bits in int64, then floors the mean).
         op: "sum", "avg", "max" or "min" (or ``dist.ReduceOp.SUM`` ... ``MIN``).
         group: process group (default: the world).
         max_sms: programs (SMs) the kernel occupies, 1..256 (default: :func:`configure`'s, 8).
@@ -981,11 +982,15 @@ _SUM_IN_FP32 = (torch.float16, torch.bfloat16)
 
 
 def _summed(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or an fp32 copy of it to sum into (a 16-bit float)."""
-    if t.dtype not in _SUM_IN_FP32:
+    """``t``, or a copy of it to sum into: fp32 for a 16-bit float, int64 for an integer type narrower than
+    64 bits, whose sum over ranks wrapped where the average fits (two ranks' int8 100 averaged to -28)."""
+    narrow_int = (
+        not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool and t.element_size() < 8
+    )
+    if t.dtype not in _SUM_IN_FP32 and not narrow_int:
         return t
     with torch.no_grad():
-        return t.float()
+        return t.long() if narrow_int else t.float()
 
 
 def _put_back(acc: torch.Tensor, t: torch.Tensor) -> None:
