@@ -820,6 +820,7 @@ MISMATCH_LIMIT_S = 10.0  # a mismatch must be reported this fast: far below JOB_
 MISMATCHES = (
     "dtype",
     "numel",
+    "empty",
     "op",
     "algorithm",
     "more_programs",
@@ -838,6 +839,8 @@ def _mismatched_call(kind: str, world: int, odd: bool) -> Callable[[], object]:
         return lambda: comm.all_reduce(torch.ones(n, dtype=torch.float16 if odd else torch.float32))
     if kind == "numel":
         return lambda: comm.all_reduce(torch.ones(n + odd))
+    if kind == "empty":  # an empty tensor on one rank only: it returned at once, its peers timed out
+        return lambda: comm.all_reduce(torch.ones(0 if odd else n))
     if kind == "op":
         return lambda: comm.all_reduce(torch.ones(n), op="max" if odd else "sum")
     if kind == "algorithm":

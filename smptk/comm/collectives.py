@@ -960,12 +960,11 @@ def all_reduce(
         algorithm = "one_shot" if tensor.numel() * tensor.element_size() <= ONE_SHOT_MAX_BYTES else "two_shot"
     flat = tensor.view(-1)
     chunk = _heap_elems(heap, tensor.dtype)
-    for c0 in range(0, flat.numel(), chunk):
+    # an empty tensor launches once too, as the other collectives do: a rank whose tensor is empty where
+    # its peers' are not must meet them, for the call check to see the sizes differ
+    for c0 in range(0, max(flat.numel(), 1), chunk):
         part = flat[c0 : c0 + chunk]
         _launch_all_reduce(heap, part, part, programs, code, algorithm, flat.numel())
-    if flat.numel() == 0:
-        global _last_path
-        _last_path = "symmetric"
     return tensor
 
 
