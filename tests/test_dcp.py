@@ -624,3 +624,29 @@ def test_an_optimizer_of_another_class_is_refused(tmp_path) -> None:
         load_checkpoint(tmp_path / "c", model, other)
     assert other.param_groups[0]["lr"] == 0.5 and not other.state
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _ScriptAdam(torch.optim.Adam):
+    """An optimizer class defined in a training script."""
+
+
+@pytest.mark.parametrize("saved_in, loaded_in", [("__mp_main__", "__main__"), ("__main__", "train")])
+def test_an_optimizer_class_saved_under_another_module_path_loads(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, saved_in: str, loaded_in: str
+) -> None:
+    """A class from the training script is ``__mp_main__.X`` in torch.multiprocessing's spawned workers,
+    ``__main__.X`` under torchrun and ``train.X`` when imported: one class, which the class check refused
+    ("holds the state of a __mp_main__._ScriptAdam, this optimizer is a __main__._ScriptAdam")."""
+    model = torch.nn.Linear(4, 2)
+    monkeypatch.setattr(_ScriptAdam, "__module__", saved_in)
+    opt = _ScriptAdam(model.parameters(), lr=0.01)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "c", model, opt)
+    monkeypatch.setattr(_ScriptAdam, "__module__", loaded_in)
+    again = _ScriptAdam(model.parameters(), lr=0.5)
+    load_checkpoint(tmp_path / "c", model, again)
+    assert again.param_groups[0]["lr"] == 0.01
+    assert torch.equal(again.state[model.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    with pytest.raises(ValueError, match=r"_ScriptAdam, this optimizer is a torch\.optim\.adam\.Adam"):
+        load_checkpoint(tmp_path / "c", model, torch.optim.Adam(model.parameters()))

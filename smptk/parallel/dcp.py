@@ -351,6 +351,14 @@ def _class_name(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
+def _same_class(saved: str, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``saved`` (a checkpoint's :func:`_class_name`) names ``optimizer``'s class: by its qualified
+    name, whatever module path it was saved under. A class defined in the training script is
+    ``__main__.X`` under torchrun, ``__mp_main__.X`` in torch.multiprocessing's spawned workers and
+    ``train.X`` when imported; Adam, AdamW and SGD still differ."""
+    return saved == _class_name(optimizer) or saved.endswith("." + type(optimizer).__qualname__)
+
+
 def _to_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -454,7 +462,8 @@ def load_checkpoint(
     whatever pieces the saving config wrote. The optimizer may be new (no state yet) or not, and the
     parameters may hold gradients; the model must have memory (after ``materialize``, not on meta).
     Mismatches (shapes, an optimizer of another class than the saved one's where the checkpoint names
-    it, as every one ``save_checkpoint`` writes with an optimizer does; parameter groups that do not
+    it, as every one ``save_checkpoint`` writes with an optimizer does, compared by qualified name so that
+    a class moved to another module still loads; parameter groups that do not
     hold the saved groups' parameters) raise naming the keys, before anything is copied (a refused load
     leaves the model and a new optimizer as they were); DCP's own errors come as RuntimeError.
 
@@ -595,7 +604,7 @@ def _load(
         with _single_process_intended(), _checkpoint_errors(f"loading the checkpoint at {path!r}"):
             _dcp().load(groups, checkpoint_id=path, no_dist=not _distributed())
         saved_class = groups.get(OPTIM_CLASS_KEY)
-        if saved_class and saved_class != _class_name(optimizer):
+        if saved_class and not _same_class(saved_class, optimizer):
             # its settings (an AdamW's decoupled weight decay) would become this one's, its state ignored
             raise ValueError(
                 f"optimizer: the checkpoint at {path!r} holds the state of a {saved_class}, this optimizer "
