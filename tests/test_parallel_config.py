@@ -9,6 +9,7 @@ who is in it. Expected groups are written out literally here, not computed with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import doctest
 import json
@@ -533,3 +534,21 @@ def test_meshes_on_four_gloo_ranks() -> None:
         _check_seeds(seeds, base=cfg.get("random_seed", 0))
         for s in seeds:
             assert s[("dp", "tp")] == s[("tp", "dp")]
+
+
+def test_fork_rng_draws_from_the_cpu_generator_whatever_the_default_device() -> None:
+    """Under ``torch.set_default_device`` (or a ``with torch.device(...)`` block) the region's draw made a
+    tensor on that device: from the CUDA generator with a host sync at ``.item()`` under "cuda", which the
+    docstring's "one number from torch's default CPU generator" does not say, and under "meta" it raised
+    ("Tensor.item() cannot be called on meta tensors"). It is drawn on the CPU in every case: the masks
+    and the CPU generator afterwards are those drawn without a default device."""
+    with fake_world(2, 0):
+        state = parallel.init({"tensor_parallel_degree": 2, "random_seed": 3})
+        x = torch.ones(16)
+        out = []
+        for device in (None, "meta"):
+            torch.manual_seed(5)
+            with torch.device(device) if device else contextlib.nullcontext(), state.fork_rng("tp"):
+                mask = torch.nn.functional.dropout(x, 0.5)
+            out.append((mask, torch.rand(4)))
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])

@@ -483,7 +483,9 @@ class ParallelState:
             >>> dist.destroy_process_group()
         """
         base = self.seed_for(*dims)
-        draw = int(torch.randint(1 << 62, (), dtype=torch.int64).item())
+        # on the CPU whatever the default device (torch.set_default_device("cuda") would draw from the CUDA
+        # generator, which the recompute need not restore, and sync the host at .item())
+        draw = int(torch.randint(1 << 62, (), dtype=torch.int64, device="cpu").item())
         seed = _hash_seed(f"fork_rng|{base}|{draw}")
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
