@@ -552,3 +552,34 @@ def test_fork_rng_draws_from_the_cpu_generator_whatever_the_default_device() -> 
                 mask = torch.nn.functional.dropout(x, 0.5)
             out.append((mask, torch.rand(4)))
         assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_fork_rng_under_torch_compile_in_a_disabled_function() -> None:
+    """The docstring's torch.compile recipe: traced inline, the region left the rest of the compiled function
+    eager (one graph, the code before it); in a ``torch.compiler.disable`` function the code on both sides
+    compiles (two graphs) and the result is the eager one, masks included."""
+    ops = []
+
+    def backend(gm, inputs):
+        ops.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    with fake_world(2, 0):
+        state = parallel.init({"tensor_parallel_degree": 2, "random_seed": 3})
+
+        @torch.compiler.disable
+        def drop(x):
+            with state.fork_rng("tp"):
+                return torch.nn.functional.dropout(x, 0.5)
+
+        def block(x):
+            return (drop(x * 2) + 1) * 3
+
+        torch._dynamo.reset()
+        out = []
+        for fn in (block, torch.compile(block, backend=backend)):
+            torch.manual_seed(7)
+            out.append(fn(torch.ones(16)))
+        torch._dynamo.reset()
+    assert torch.equal(out[0], out[1])
+    assert len(ops) == 2 and all(ops), ops

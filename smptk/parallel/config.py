@@ -464,6 +464,12 @@ class ParallelState:
         whose tp ranks hold different elements (Megatron-LM's model-parallel region);
         ``fork_rng("dp", "tp")`` for masks of their own on every data-parallel rank as well.
 
+        Under ``torch.compile``, Dynamo cannot trace the entry (host code: the seed's SHA-256, the draw,
+        the generators' states): traced inline, everything from the region to the end of the compiled
+        function runs eagerly, and ``fullgraph=True`` refuses it. Put the region in a function of its own
+        marked ``@torch.compiler.disable``: the code before and after it compiles, with a graph break at
+        the call.
+
         Example (one process: a world of 1)::
 
             >>> import torch
