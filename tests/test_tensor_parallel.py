@@ -216,3 +216,22 @@ def test_sequence_parallel_column_runs_under_inference_mode(monkeypatch) -> None
         for mode in (torch.inference_mode, torch.no_grad):
             with mode():
                 assert layer(torch.randn(2, 4, 16)).shape == (2, 8, 8)
+
+
+def test_cross_entropy_names_the_1d_mesh_a_dtensor_needs() -> None:
+    """Logits sharded on their vocabulary dim over a 2-D mesh (a tp dim beside a replicated dp dim) were
+    refused with 'must be sharded on its last (vocabulary) dim, got placements (Replicate(), Shard(dim=1))',
+    which they are; the message now says the mesh must be 1-D (the tensor-parallel group) and names its."""
+    from helpers import fake_world
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from smptk.parallel import vocab_parallel_cross_entropy
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        logits = DTensor.from_local(torch.randn(3, 4), mesh, [Replicate(), Shard(1)], run_check=False)
+        with pytest.raises(
+            ValueError, match=r"over a 1-D mesh \(the tensor-parallel group\).* over a 2-D mesh"
+        ):
+            vocab_parallel_cross_entropy(logits, torch.zeros(3, dtype=torch.int64))

@@ -132,10 +132,10 @@ def vocab_parallel_cross_entropy(
     Args:
         logits_local: ``[.., Vl]`` float (any float dtype; the math is fp32), this rank's vocabulary
             columns ``r*Vl .. (r+1)*Vl``; every rank of the group holds the same ``Vl``. A DTensor
-            sharded on its last dim is taken as its local shard, over its mesh. Not the full logits (a
-            head with ``gather_output=True``): a plain tensor cannot say which it is, and full ``[.., V]``
-            logits on every rank would be read as T shards of a ``T*V`` vocabulary (the loss off by
-            ``log T``); use ``F.cross_entropy`` on those.
+            sharded on its last dim over a 1-D mesh is taken as its local shard, over that mesh. Not the
+            full logits (a head with ``gather_output=True``): a plain tensor cannot say which it is, and
+            full ``[.., V]`` logits on every rank would be read as T shards of a ``T*V`` vocabulary (the
+            loss off by ``log T``); use ``F.cross_entropy`` on those.
         target: integer ``[..]`` (the logits' leading dims) of global ids in ``0 .. T*Vl - 1``, or
             ``ignore_index``; the same on every rank (a replicated DTensor is taken as its local copy).
         group: the tensor-parallel group (a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)``); default
@@ -151,8 +151,9 @@ def vocab_parallel_cross_entropy(
     if isinstance(logits_local, DTensor):
         if tuple(logits_local.placements) != (Shard(logits_local.dim() - 1),):
             raise ValueError(
-                f"logits_local: a DTensor must be sharded on its last (vocabulary) dim, got placements "
-                f"{tuple(logits_local.placements)}"
+                "logits_local: a DTensor must be sharded on its last (vocabulary) dim over a 1-D mesh (the "
+                f"tensor-parallel group), got placements {tuple(logits_local.placements)} over a "
+                f"{logits_local.device_mesh.ndim}-D mesh"
             )
         mesh_group = resolve_group(logits_local.device_mesh)
         logits_local = logits_local.to_local()
