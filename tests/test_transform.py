@@ -8,7 +8,8 @@ MoE block in another layout is refused with the installed version in the message
 
 Multi-rank: one 2-rank and one 4-rank gloo job (``transform_jobs.py``, where each case is described):
 tensor parallelism on Llama, Qwen2 (biases), Qwen3 (per-head norms) and Mixtral, sequence parallelism on
-Llama and Qwen3, full sharding, expert parallelism, and on 4 ranks TP 2 x FSDP 2 with sequence
+Llama and Qwen3, tied embeddings (TP 2, with sequence parallelism, TP 2 x FSDP 2, the meta-device load),
+full sharding, expert parallelism, and on 4 ranks TP 2 x FSDP 2 with sequence
 parallelism and TP 2 x EP 2, two training steps each against the Hugging Face model in one process; and
 every bad input with its message.
 
@@ -211,6 +212,30 @@ def test_hf_state_dict_loads_into_the_stock_model(one_rank, monkeypatch, tmp_pat
     module.save_pretrained(tmp_path, state_dict=state)
     back = type(fresh).from_pretrained(tmp_path)
     torch.testing.assert_close(back(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_state_dict_of_a_tied_model_saves_as_the_stock_model(one_rank, monkeypatch, tmp_path) -> None:
+    """A head tied to the embedding: ``hf_state_dict`` gives one tensor under both names, as the stock
+    model's ``state_dict`` does, so ``save_pretrained`` writes the file the stock model writes (gathered
+    as two copies, the head's was written a second time) and ``from_pretrained`` reads it back tied."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("SMPTK_KERNELS", "torch")
+    stock = _build("qwen3", tie_word_embeddings=True)
+    stock.save_pretrained(tmp_path / "stock")
+    module, _ = sp.transform(copy.deepcopy(stock), {"mixed_precision": "fp32"})
+    state = sp.hf_state_dict(module)
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    module.save_pretrained(tmp_path / "smptk", state_dict=state)
+    saved, want = (
+        load_file(tmp_path / "smptk" / "model.safetensors"),
+        load_file(tmp_path / "stock" / "model.safetensors"),
+    )
+    assert sorted(saved) == sorted(want)
+    back = type(stock).from_pretrained(tmp_path / "smptk")
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids = torch.arange(jobs.SEQ)[None]
+    torch.testing.assert_close(back(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_renormalization_follows_the_architecture(one_rank) -> None:

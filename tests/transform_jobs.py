@@ -31,7 +31,13 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - (4 ranks) ``tp2_dp2_sp_llama``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing;
   ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
   of each tp group. The two ranks of a tp group feed one batch.
-- ``bad_input``: heads not divisible by tp, tied embeddings or attention dropout under tp, an attention
+- ``tp2_tied_qwen3``, ``tp2_sp_tied_llama``, ``meta_tp2_tied_qwen3`` and (4 ranks)
+  ``tp2_dp2_sp_tied_qwen3``: tied embeddings (``tie_word_embeddings``): the head's weight stays the
+  embedding's parameter after transform, Hugging Face's ``tie_weights()``, FSDP2, ``materialize``,
+  ``load_hf_state_dict`` and training; its gradient equals the stock model's, and ``hf_state_dict``
+  gives one tensor under both names (as the stock ``state_dict``: ``save_pretrained`` writes it once).
+- ``bad_input``: heads not divisible by tp, attention dropout under tp, ``resize_token_embeddings``
+  after transform at tp 2 (Hugging Face's TypeError naming the vocab-parallel embedding), an attention
   parameter with no tensor-parallel split, sequence parallelism without a head, on an odd
   sequence, with logits_to_keep or output_hidden_states, or not a bool, an unsupported architecture,
   expert parallelism on a dense model, config and state together; sizes that do not split (an MLP width or
@@ -148,6 +154,11 @@ def _train(
     model = build(kind, **overrides)
     ref = copy.deepcopy(model)
     module, report = sp.transform(model, {"mixed_precision": "fp32", **config}, sequence_parallel=sp_)
+    tied = bool(overrides.get("tie_word_embeddings"))
+    if tied:
+        _check_tied(problems, model, "after transform")
+        model.tie_weights()  # as Hugging Face calls it (from_pretrained, resize): keeps one parameter
+        _check_tied(problems, model, "after tie_weights")
     seen: list[int] = []  # the tokens a norm inside the layers sees: seq / tp under sequence parallelism
     model.model.layers[0].post_attention_layernorm.register_forward_hook(  # its input: a DTensor under SP
         lambda m, args, out: seen.append(getattr(args[0], "_local_tensor", args[0]).shape[1])
@@ -179,6 +190,10 @@ def _train(
             if step == 0 and b == mine:
                 _close(problems, f"logits step {step}", out.logits, ref_out.logits)
         ref_loss.backward()
+        if tied:  # one gradient: the embedding's and the head's summed
+            grad = model.model.embed_tokens.weight.grad
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            _close(problems, f"tied weight gradient step {step}", grad, ref.model.embed_tokens.weight.grad)
         # Clipping over every mesh the parameters live on (tp, dp, ep; torch's own refuses the mix): the
         # same total norm and, at a max_norm below it, the same clipped step as torch's on the plain model.
         norm = sp.clip_grad_norm_(module.parameters(), CLIP_NORM)
@@ -203,12 +218,23 @@ def _train(
     moe = any(isinstance(m, sp.MoE) for m in module.modules())  # whole on every rank: the whole sequence
     if sp_ and no_ac and not moe and (seq in kept or seq // tp not in kept):
         problems.append(f"saved hidden states of {kept} positions (seq {seq}, tp {tp})")
-    got, want = hf_named(module), dict(ref.named_parameters())
+    got, want = hf_named(module), dict(ref.named_parameters(remove_duplicate=False))
     if set(got) != set(want):
         problems.append(f"parameter names differ: {sorted(set(got) ^ set(want))}")
         return
+    if tied:
+        _check_tied(problems, model, "after 2 steps")
+        head, embed = got["lm_head.weight"], got["model.embed_tokens.weight"]
+        if head.data_ptr() != embed.data_ptr():  # one tensor, as the stock state_dict's: saved once
+            problems.append("hf_state_dict: lm_head.weight is not the embedding's tensor")
     for name, p in want.items():
         _close(problems, f"{name} after 2 steps", got[name], p)
+
+
+def _check_tied(problems: list[str], model, when: str) -> None:
+    """The tied head's weight is still the embedding's parameter (one tensor, one gradient)."""
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        problems.append(f"{when}: lm_head.weight is no longer model.embed_tokens.weight")
 
 
 def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> None:
@@ -224,9 +250,13 @@ def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> Non
     module, _ = sp.transform(meta, state=state)
     sp.materialize(module, state, allow_uninitialized=True)  # HF's norms have no reset_parameters
     saved = ref.state_dict()
-    if overrides.get("tie_word_embeddings"):
+    tied = overrides.get("tie_word_embeddings")
+    if tied:
+        _check_tied(problems, meta, "after materialize")
         del saved["lm_head.weight"]
     sp.load_hf_state_dict(module, saved if dist.get_rank() == 0 else None)
+    if tied:
+        _check_tied(problems, meta, "after load_hf_state_dict")
     ids = _batch(0, 0)
     out, want = module(ids, labels=ids), ref(ids, labels=ids)
     _close(problems, "logits after load", out.logits, want.logits)
@@ -238,6 +268,10 @@ def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> Non
 
 def _odd_sequence(model) -> None:
     model(torch.zeros(1, SEQ, dtype=torch.int64))  # SEQ is odd
+
+
+def _resize(model) -> None:
+    model.resize_token_embeddings(VOCAB + 2)
 
 
 def _sp_call(**kwargs):
@@ -265,8 +299,9 @@ def _bad_input(problems: list[str]) -> None:
     cases = [
         (lambda: sp.transform(build("llama", num_attention_heads=2, num_key_value_heads=1), tp2),
          ValueError, "num_key_value_heads 1 is not divisible by tensor_parallel_degree 2"),
-        (lambda: sp.transform(build("llama", tie_word_embeddings=True), tp2),
-         NotImplementedError, "tie_word_embeddings"),
+        # the vocabulary is resized before transform: Hugging Face's resize takes an nn.Embedding only
+        (lambda: _resize(sp.transform(build("llama", tie_word_embeddings=True), tp2)[0]),
+         TypeError, "VocabParallelEmbedding"),
         (lambda: sp.transform(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16,
                                                                                    n_head=2)), fp32),
          NotImplementedError, "'gpt2' is not supported"),
@@ -444,6 +479,16 @@ CASES = {
     "meta_tp2_llama": lambda p: _meta_load(p, "llama", {"tensor_parallel_degree": 2}),
     "meta_ep2_mixtral": lambda p: _meta_load(p, "mixtral", {"expert_parallel_degree": 2}),
     "meta_dp2_tied_llama": lambda p: _meta_load(p, "llama", {}, tie_word_embeddings=True),
+    "meta_tp2_tied_qwen3": lambda p: _meta_load(
+        p, "qwen3", {"tensor_parallel_degree": 2}, tie_word_embeddings=True
+    ),
+    # tied embeddings: the vocab-parallel embedding and the column-parallel head hold one DTensor
+    "tp2_tied_qwen3": lambda p: _train(
+        p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True, tie_word_embeddings=True
+    ),
+    "tp2_sp_tied_llama": lambda p: _train(
+        p, "llama", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True, tie_word_embeddings=True
+    ),
     "tp2_mixtral": lambda p: _train(p, "mixtral", {"tensor_parallel_degree": 2}, same_batch=True),
     # the MoE layers gather the sequence and run whole (sequence parallelism with MoE used to be refused:
     # each tp rank's router and experts would have trained on its own block's gradient alone)
@@ -468,6 +513,9 @@ CASES_4 = {
     ),
     "tp2_ep2_mixtral": lambda p: _train(
         p, "mixtral", {"tensor_parallel_degree": 2, "expert_parallel_degree": 2}, batches=2, **AUX_LOSS
+    ),
+    "tp2_dp2_sp_tied_qwen3": lambda p: _train(
+        p, "qwen3", {"tensor_parallel_degree": 2}, batches=2, sp_=True, tie_word_embeddings=True
     ),
 }
 MOE_CASES_4 = ("tp2_ep2_mixtral",)

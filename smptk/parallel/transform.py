@@ -38,7 +38,12 @@ current one), in the order a model is prepared:
    backward, :func:`smptk.comm.functional.saved_as_shard`, as Megatron-LM does), their row-parallel
    output layer reduce-scatters it, and the head gathers it back. A MoE layer (``MoE(...,
    sequence_parallel=True)``) gathers the sequence, runs whole on every tp rank (holding the whole
-   sequence's activations) and keeps this rank's block of its output.
+   sequence's activations) and keeps this rank's block of its output. A head tied to the embedding
+   (``tie_word_embeddings``, as in Llama 3.2 1B / 3B and the small Qwen2.5 / Qwen3 models) stays one
+   parameter: both styles split the ``[V, H]`` table by vocabulary rows and hold one DTensor, whose
+   gradient sums the two uses, as the stock model's does; Hugging Face's ``tie_weights()`` keeps it so.
+   Resize the vocabulary (``resize_token_embeddings``) before ``transform``: Hugging Face's resize takes
+   an ``nn.Embedding`` and refuses the vocab-parallel one with a ``TypeError``.
 3. **Expert parallelism** (``expert_parallel_degree`` > 1): :func:`~smptk.parallel.apply_expert_parallel`.
 4. **Activation checkpointing** (``activation_checkpointing``, ``sm_activation_offloading``) of every
    decoder layer: :func:`~smptk.parallel.apply_activation_checkpointing`. The key-value cache is then
@@ -49,8 +54,7 @@ current one), in the order a model is prepared:
    (or DDP for ``hybrid_shard_degree`` 1 where it applies).
 
 Checked up front, with the numbers in the message: the architecture, heads and KV heads divisible by the
-tensor-parallel degree (a split inside a head would be silently wrong), the MLP width, tied embeddings
-under tensor parallelism (not supported: the two layers would stop sharing one tensor), router jitter
+tensor-parallel degree (a split inside a head would be silently wrong), the MLP width, router jitter
 noise, non-SiLU experts, attention dropout under tensor parallelism (Hugging Face's masks come from the
 global generator, the same on every tp rank). Under tensor parallelism ``output_attentions`` returns each
 rank's own heads; under sequence parallelism a call with ``logits_to_keep`` or ``output_hidden_states``
@@ -178,12 +182,6 @@ def _check(model: nn.Module, state: ParallelState) -> tuple[str, Any]:
                 "the same on every tp rank, so heads on different ranks would share masks; set "
                 "config.attention_dropout = 0 (every supported checkpoint's value) or use "
                 "tensor_parallel_degree 1"
-            )
-        if getattr(cfg, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is not None:
-            raise NotImplementedError(
-                f"{arch}: tie_word_embeddings under tensor_parallel_degree {tp} is not supported (the "
-                "vocab-parallel embedding and the column-parallel head would stop sharing one tensor); "
-                "untie them or use tensor_parallel_degree 1"
             )
     return arch, cfg
 
@@ -648,6 +646,18 @@ def smptk_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+_HEAD_KEY, _EMBED_KEY = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _tied_head(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model inside its DDP wrapper) holds its head's weight and its embedding
+    table as one parameter (``tie_word_embeddings``; :func:`transform` keeps the tie)."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    head = getattr(inner, "lm_head", None)
+    embed = getattr(getattr(inner, "model", None), "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
 def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tensor]:
     """Rank 0's Hugging Face state dict checked against ``model`` in the Hugging Face names (the names the
     caller passed) and put in the model's layout: the sparse blocks ``transform`` swapped in smptk's,
@@ -661,14 +671,9 @@ def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tens
             f"hf_state: rank 0 must pass the Hugging Face state dict, got {type(hf_state).__name__}"
         )
     hf = dict(hf_state)
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    head = getattr(inner, "lm_head", None)
-    embed = getattr(getattr(inner, "model", None), "embed_tokens", None)
-    tied = head is not None and embed is not None and head.weight is embed.weight
-    embed_key = "model.embed_tokens.weight"
-    if tied and "lm_head.weight" not in hf and embed_key in hf:
+    if _tied_head(model) and _HEAD_KEY not in hf and _EMBED_KEY in hf:
         # save_pretrained writes a tied head's weight once, as the embedding's: the strict load names both
-        hf["lm_head.weight"] = hf[embed_key]
+        hf[_HEAD_KEY] = hf[_EMBED_KEY]
     own = get_model_state_dict(model)  # global shapes (DTensors carry them): nothing is gathered
     meta = {k: torch.empty(v.shape, device="meta") if torch.is_tensor(v) else v for k, v in own.items()}
     expected = hf_layout(meta)  # non-tensor entries (a module's extra state) by name only
@@ -752,7 +757,9 @@ def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, tor
     ``save_pretrained(path, state_dict=...)`` or ``load_state_dict`` into the stock model (collective).
 
     Every tensor is gathered whole (:func:`smptk.parallel.get_full_state_dict`): with ``rank0_only``
-    (default) on rank 0's CPU, the other ranks getting an empty dict; otherwise on every rank.
+    (default) on rank 0's CPU, the other ranks getting an empty dict; otherwise on every rank. A head tied
+    to the embedding (``tie_word_embeddings``) gives one tensor under both names, as the stock model's
+    ``state_dict`` does, so ``save_pretrained`` writes it once.
 
     Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU). After training, rank 0 would
     call ``model.save_pretrained("out", state_dict=sd)`` on the default ``rank0_only`` dict::
@@ -774,7 +781,12 @@ def hf_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, tor
     """
     from smptk.parallel.dcp import get_full_state_dict
 
-    return hf_layout(get_full_state_dict(model, rank0_only=rank0_only)["model"])
+    out = hf_layout(get_full_state_dict(model, rank0_only=rank0_only)["model"])
+    if _tied_head(model) and _HEAD_KEY in out and _EMBED_KEY in out:
+        # one tensor under both names, as the stock model's state_dict gives (gathered, they were two
+        # copies, and save_pretrained, which drops a tied name only when the tensors share memory, wrote both)
+        out[_HEAD_KEY] = out[_EMBED_KEY]
+    return out
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
