@@ -282,27 +282,25 @@ def test_gathered_logits_count_the_whole_vocabulary_on_every_rank() -> None:
 
 
 def test_tensor_parallelism_is_refused_where_smptk_refuses_it() -> None:
-    """A vocabulary tp does not divide (VocabParallelEmbedding pads nothing) and tied embeddings at tp > 1
-    (transform refuses them) are refused, and advise does not offer such a tp."""
+    """A vocabulary tp does not divide (VocabParallelEmbedding pads nothing) is refused, and advise does not
+    offer such a tp. Tied embeddings at tp > 1 are estimated (transform keeps the tied table one
+    vocab-parallel parameter: one [V / tp, H] shard fewer than the untied model's) and offered."""
     odd = dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 1)
     with pytest.raises(
         ValueError, match=rf"vocab_size {odd.vocab_size} is not divisible by tensor_parallel_degree 2"
     ):
         estimate_memory(odd, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2)
     tied = dataclasses.replace(TINY, tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="tied input and output embeddings under tensor_parallel_degree 2"):
-        estimate_memory(tied, {"tensor_parallel_degree": 2}, seq_len=32, world_size=2)
-    estimate_memory(tied, {"hybrid_shard_degree": 0}, seq_len=32, world_size=2)  # tp 1: fine
+    tp2 = {"tensor_parallel_degree": 2, "mixed_precision": "fp32"}
+    untied_bytes = estimate_memory(TINY, tp2, seq_len=32, world_size=2).parameter_bytes
+    tied_bytes = estimate_memory(tied, tp2, seq_len=32, world_size=2).parameter_bytes
+    assert untied_bytes - tied_bytes == TINY.vocab_size // 2 * TINY.hidden_size * 4
     llama = model_spec("llama3.1-8b")  # at 16384 tokens on one p5 node, advise offers tp > 1 too
-    assert any(
-        c.config.tensor_parallel_degree > 1 for c in advise(llama, "p5.48xlarge", seq_len=16384).candidates
-    )
-    for spec in (
-        dataclasses.replace(llama, vocab_size=128257),
-        dataclasses.replace(llama, tie_word_embeddings=True),
-    ):
-        adv = advise(spec, "p5.48xlarge", seq_len=16384)
-        assert adv.candidates and {c.config.tensor_parallel_degree for c in adv.candidates} == {1}
+    for spec in (llama, dataclasses.replace(llama, tie_word_embeddings=True)):
+        candidates = advise(spec, "p5.48xlarge", seq_len=16384).candidates
+        assert any(c.config.tensor_parallel_degree > 1 for c in candidates)
+    adv = advise(dataclasses.replace(llama, vocab_size=128257), "p5.48xlarge", seq_len=16384)
+    assert adv.candidates and {c.config.tensor_parallel_degree for c in adv.candidates} == {1}
 
 
 def test_materialized_attention_adds_the_probabilities() -> None:

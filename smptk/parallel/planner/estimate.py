@@ -388,11 +388,6 @@ def tp_problem(spec: ModelSpec, t: int) -> str | None:
                 f"{spec.name}: {key} {value} is not divisible by tensor_parallel_degree {t} (smptk's "
                 "tensor-parallel layers split it evenly)"
             )
-    if spec.tie_word_embeddings:
-        return (
-            f"{spec.name}: tied input and output embeddings under tensor_parallel_degree {t} (transform and "
-            "smptk's tensor-parallel layers refuse them)"
-        )
     return None
 
 
