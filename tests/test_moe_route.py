@@ -149,6 +149,23 @@ def test_the_losses_take_in_place_updates(monkeypatch, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_the_ids_and_counts_take_in_place_edits(monkeypatch, path):
+    """A caller's in-place edit of the returned ``expert_ids`` or ``tokens_per_expert`` leaves the gradient
+    as it was: the Triton path saved those very tensors for backward, which then raised "one of the
+    variables needed for gradient computation has been modified by an inplace operation" (the PyTorch
+    path took the edits)."""
+    use_path(monkeypatch, path, "cpu")
+    logits = route_logits(9, 5, dtype=torch.float32)
+    r = moe_route(logits, 2)
+    (want,) = torch.autograd.grad(r.weights.sum() + r.aux_loss, logits)
+    r = moe_route(logits, 2)
+    r.expert_ids.add_(1)
+    r.tokens_per_expert.zero_()
+    (got,) = torch.autograd.grad(r.weights.sum() + r.aux_loss, logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_nan_keys_come_after_every_number(monkeypatch, path):
     """A NaN selection key (a diverged expert_bias entry; a NaN logit under sigmoid) is picked only after
     every number, then NaN keys by id, on both paths: the PyTorch path's sort put NaN first, so every token

@@ -246,7 +246,11 @@ class MoERouteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, bias_E, top_k: int, score_func: int, renormalize: bool):
         weights, ids, counts, aux, z = route_fwd(logits_TE, bias_E, top_k, score_func, renormalize)
-        ctx.save_for_backward(logits_TE, ids, counts)
+        # Backward reads private copies of the ids and counts, not the returned tensors: a caller may edit
+        # those in place (as on the PyTorch path) without changing the gradient or failing the saved
+        # tensors' version check. Only where a backward can run ([T, k] int32 + [E] int64).
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(logits_TE, ids.clone(), counts.clone())
         ctx.score_func = score_func
         ctx.renormalize = renormalize
         ctx.mark_non_differentiable(ids, counts)
