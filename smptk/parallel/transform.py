@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -649,13 +650,32 @@ def smptk_layout(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 _HEAD_KEY, _EMBED_KEY = "lm_head.weight", "model.embed_tokens.weight"
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """``model``, or the model inside its DDP wrapper."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def _tied_head(model: nn.Module) -> bool:
     """Whether ``model`` (or the model inside its DDP wrapper) holds its head's weight and its embedding
     table as one parameter (``tie_word_embeddings``; :func:`transform` keeps the tie)."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner = _unwrapped(model)
     head = getattr(inner, "lm_head", None)
     embed = getattr(getattr(inner, "model", None), "embed_tokens", None)
     return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _ignored_on_load(model: nn.Module) -> re.Pattern | None:
+    """What ``from_pretrained`` drops of a checkpoint's names that ``model`` lacks, as one regex (searched):
+    the model's ``_keys_to_ignore_on_load_unexpected`` patterns (with transformers 5, its submodules' too),
+    and, as transformers 5 adds them, the per-layer ``rotary_emb.inv_freq`` of old checkpoints where the
+    model has such a buffer and ``position_ids`` where it has that buffer. None when there is nothing."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
 
 
 def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tensor]:
@@ -685,6 +705,9 @@ def _in_model_layout(model: nn.Module, hf_state: object) -> dict[str, torch.Tens
     ]
     if bad:
         raise ValueError("hf_state: tensors of the wrong shape: " + _some(bad))
+    ignored = _ignored_on_load(_unwrapped(model))
+    if ignored is not None:  # as from_pretrained: dropped only where the model has no such name
+        hf = {k: v for k, v in hf.items() if k in expected or ignored.search(k) is None}
     missing, unexpected = sorted(set(expected) - set(hf)), sorted(set(hf) - set(expected))
     if missing or unexpected:
         raise ValueError(
@@ -703,14 +726,15 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it (with
     ``allow_uninitialized=True``: a Hugging Face model's norms have no ``reset_parameters``), then call this
     with the checkpoint's state dict on rank 0 (``safetensors.torch.load_file``...) and None elsewhere.
-    Rank 0's dict is checked against the model in the Hugging Face names (every tensor there, none more,
-    the global shapes; dtypes are cast to the model's), then the sparse blocks ``transform`` swapped are put
-    in smptk's layout (:func:`smptk_layout`; an untransformed model's names stay as they are) and the
-    tensors broadcast one at a time (:func:`smptk.parallel.load_full_state_dict`). Whatever rank 0 finds
-    wrong, every rank raises; nothing is loaded then. ``model`` may be the DDP wrapper; without a process
-    group (one process) the checked dict is loaded with ``model.load_state_dict``. The rotary
-    tables, buffers no checkpoint holds and ``materialize`` leaves uninitialized, are recomputed from the
-    model's config.
+    Rank 0's dict is checked against the model in the Hugging Face names (every tensor there, none more, the
+    global shapes; dtypes are cast to the model's); names ``from_pretrained`` ignores for the model (e.g. the
+    per-layer ``rotary_emb.inv_freq`` of old Llama checkpoints) are skipped, as it skips them. Then the sparse
+    blocks ``transform`` swapped are put in smptk's layout (:func:`smptk_layout`; an untransformed model's
+    names stay as they are) and the tensors broadcast one at a time
+    (:func:`smptk.parallel.load_full_state_dict`). Whatever rank 0 finds wrong, every rank raises; nothing is
+    loaded then. ``model`` may be the DDP wrapper; without a process group (one process) the checked dict is
+    loaded with ``model.load_state_dict``. The rotary tables, buffers no checkpoint holds and ``materialize``
+    leaves uninitialized, are recomputed from the model's config.
 
     Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU). In real use rank 0 passes
     ``safetensors.torch.load_file("model.safetensors")``, here a stock model's state dict::
