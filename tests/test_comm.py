@@ -265,6 +265,33 @@ def test_fallback_all_gather_takes_a_stacked_output(world1) -> None:
     assert torch.equal(out[0], x)
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16, torch.uint32])
+def test_fallback_reduces_the_integers_gloo_lacks(world1, dtype: torch.dtype) -> None:
+    """gloo cannot reduce int16, uint16 or uint32 (its "Invalid scalar type" named no argument): the fallback
+    reduces them in int64 and writes the values back, the dtype's extremes included."""
+    info = torch.iinfo(dtype)
+    values = torch.tensor([info.min, info.max, 7], dtype=torch.int64)
+    for op in ("sum", "max", "min", "avg"):
+        t = values.to(dtype)
+        assert comm.all_reduce(t, op=op) is t and t.dtype == dtype
+        assert comm.last_path() == "torch.distributed:gloo"
+        assert torch.equal(t.long(), values), op
+        out = torch.zeros(3, dtype=dtype)
+        comm.reduce_scatter_tensor(out, values.to(dtype), op=op)
+        assert torch.equal(out.long(), values), op
+
+
+def test_fallback_refuses_what_gloo_cannot_reduce(world1) -> None:
+    """A dtype gloo cannot reduce, even through int64, is refused naming the argument and the dtype."""
+    for dtype in (torch.uint64, torch.float8_e4m3fn):
+        with pytest.raises(
+            TypeError, match=rf"^tensor: dtype {dtype} cannot be reduced on torch.distributed:gloo"
+        ):
+            comm.all_reduce(torch.zeros(4, dtype=dtype))
+        with pytest.raises(TypeError, match=rf"^output: dtype {dtype} cannot be reduced"):
+            comm.reduce_scatter_tensor(torch.zeros(4, dtype=dtype), torch.zeros(4, dtype=dtype))
+
+
 @pytest.mark.parametrize("kind", sorted(collectives._KIND_CODES))
 def test_call_tags_name_what_each_rank_called(kind: str) -> None:
     """A mismatch message decodes every field of a call's tag; the fused TP linears have kinds of their own,

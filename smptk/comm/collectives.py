@@ -928,7 +928,8 @@ def all_reduce(
     Args:
         tensor: contiguous; fp32/bf16/fp16/int32 take the symmetric path (fp32 accumulation for 16-bit;
             the fallback's "avg" sums 16-bit floats in fp32 too where it sums and divides, e.g. gloo,
-            and integers narrower than 64 bits in int64, then floors the mean).
+            and integers narrower than 64 bits in int64, then floors the mean; int16, uint16 and uint32,
+            which no backend reduces, go through int64 for every op; on gloo, uint64 and float8 are refused).
         op: "sum", "avg", "max" or "min" (or ``dist.ReduceOp.SUM`` ... ``MIN``).
         group: process group (default: the world).
         max_sms: programs (SMs) the kernel occupies, 1..256 (default: :func:`configure`'s, 8).
@@ -992,6 +993,32 @@ def _summed(t: torch.Tensor) -> torch.Tensor:
         return t.long() if narrow_int else t.float()
 
 
+# Integer dtypes torch.distributed's backends cannot reduce (gloo: "Invalid scalar type", naming no argument;
+# NCCL has no 16-bit integers): the fallback reduces them in int64 and writes the result back, which wraps
+# as the dtype's own sum does. Every dtype else that gloo cannot reduce (torch 2.13: uint64, the float8 and
+# sub-byte types) is refused before any data moves, naming the argument.
+_REDUCE_IN_INT64 = (torch.int16, torch.uint16, torch.uint32)
+_GLOO_REDUCES = (
+    *(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+    *(torch.complex32, torch.complex64, torch.complex128),
+    *(torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool),
+)
+
+
+def _reduced(name: str, t: torch.Tensor, g: dist.ProcessGroup) -> torch.Tensor:
+    """``t``, or an int64 copy of it for the fallback to reduce (see ``_REDUCE_IN_INT64``); refuses a dtype
+    gloo cannot reduce, naming ``name``."""
+    if t.dtype in _REDUCE_IN_INT64:
+        with torch.no_grad():
+            return t.long()
+    if t.dtype not in _GLOO_REDUCES and dist.get_backend(g) == "gloo":
+        names = ", ".join(str(d).removeprefix("torch.") for d in _GLOO_REDUCES + _REDUCE_IN_INT64)
+        raise TypeError(
+            f"{name}: dtype {t.dtype} cannot be reduced on torch.distributed:gloo ({names}); cast first"
+        )
+    return t
+
+
 def _put_back(acc: torch.Tensor, t: torch.Tensor) -> None:
     if acc is not t:
         with torch.no_grad():
@@ -1015,13 +1042,14 @@ def _check_avg_dtype(op: str, dtype: torch.dtype) -> None:
 
 
 def _torch_all_reduce(tensor: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
+    acc = _reduced("tensor", tensor, g)
     if _sum_then_divide(op, tensor.dtype, g):
-        acc = _summed(tensor)
+        acc = _summed(acc)
         dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=g)
         _average(acc, dist.get_world_size(g))
-        _put_back(acc, tensor)
     else:
-        dist.all_reduce(tensor, op=_TORCH_OPS[op], group=g)
+        dist.all_reduce(acc, op=_TORCH_OPS[op], group=g)
+    _put_back(acc, tensor)
     _fallback(g)
 
 
@@ -1176,13 +1204,14 @@ def reduce_scatter_tensor(
 
 
 def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
+    acc, src = _reduced("output", output, g), _reduced("input", input, g)
     if _sum_then_divide(op, input.dtype, g):
-        acc = _summed(output)
-        dist.reduce_scatter_tensor(acc, _summed(input), op=dist.ReduceOp.SUM, group=g)
+        acc = _summed(acc)
+        dist.reduce_scatter_tensor(acc, _summed(src), op=dist.ReduceOp.SUM, group=g)
         _average(acc, dist.get_world_size(g))
-        _put_back(acc, output)
     else:
-        dist.reduce_scatter_tensor(output, input, op=_TORCH_OPS[op], group=g)
+        dist.reduce_scatter_tensor(acc, src, op=_TORCH_OPS[op], group=g)
+    _put_back(acc, output)
     _fallback(g)
 
 
