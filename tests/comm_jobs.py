@@ -444,6 +444,19 @@ def case_fallback(c: Case, world: int, rank: int, *, which: str) -> None:
         comm.all_to_all_single(out, xa, torch.full((world,), 2), torch.full((world,), 2))
         c.path("all_to_all, splits as tensors", gloo)
         c.equal("all_to_all, splits as tensors", out, expected)
+        # dtypes gloo does not move (its "Invalid scalar type"): moved as bytes, compared as bytes
+        for dt in (torch.int16, torch.uint32, torch.float8_e4m3fn):
+            mine = [(torch.arange(world * 6).reshape(world * 2, 3) + 100 * q).to(dt) for q in range(world)]
+            out = torch.empty(world * world * 6, dtype=dt)
+            comm.all_gather_into_tensor(out, mine[rank].reshape(-1))
+            c.path(f"all_gather {dt}", gloo)
+            want = torch.cat([m.reshape(-1) for m in mine])
+            c.equal(f"all_gather {dt}", out.view(torch.uint8), want.view(torch.uint8))
+            out = torch.empty(world * 2, 3, dtype=dt)
+            comm.all_to_all_single(out, mine[rank])
+            c.path(f"all_to_all {dt}", gloo)
+            want = torch.cat([m[2 * rank : 2 * rank + 2] for m in mine])
+            c.equal(f"all_to_all {dt}", out.view(torch.uint8), want.view(torch.uint8))
     elif which == "int32_avg":
         # Values of both signs, so the rounding of a non-integer average shows: floor (floor_divide).
         x = torch.randint(-1000, 1000, (23,), generator=seeded_gen(c.cid, rank), dtype=torch.int32)

@@ -534,6 +534,13 @@ def _apart(input: torch.Tensor, output: torch.Tensor, *, in_place: bool = False)
         return input.clone()
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of 1 or 2 dims as its bytes along the last one, for the fallback's collectives
+    that only move data: they need no dtype, and gloo moves only some (it refused int16, uint16, uint32,
+    uint64 and the float8 types with "Invalid scalar type", naming no argument)."""
+    return t.view(torch.uint8)
+
+
 def _as_int(name: str, value: object) -> int:
     """``value`` as an int: an int, or a float with an integer value (numpy's scalars included)."""
     integral = isinstance(value, numbers.Integral) or (
@@ -1101,7 +1108,7 @@ def all_gather_into_tensor(
     heap = _heap(g, input)
     if not _symmetric_ok(heap, input.dtype):
         # flat views: gloo takes only a [world * d0, ...] output, the heap path any shape of that size
-        dist.all_gather_into_tensor(output.view(-1), input.reshape(-1), group=g)
+        dist.all_gather_into_tensor(_bytes(output.view(-1)), _bytes(input.reshape(-1)), group=g)
         _fallback(g)
         return output
     src, dst = input.view(-1), output.view(-1)
@@ -1348,8 +1355,15 @@ def all_to_all_single(
     else:
         peak = agreed_max_split * max(row_in, row_out)
     if not _symmetric_ok(heap, input.dtype):
-        # 0-d tensors as the one row they count as: torch reads split sizes along dim 0
-        dist.all_to_all_single(torch.atleast_1d(output), torch.atleast_1d(input), out_rows, in_rows, group=g)
+        # [rows, elements per row] (a 0-d tensor is one row of one element: torch reads split sizes along
+        # dim 0), moved as bytes
+        dist.all_to_all_single(
+            _bytes(output.view(sum(out_rows), row_out)),
+            _bytes(input.view(sum(in_rows), row_in)),
+            out_rows,
+            in_rows,
+            group=g,
+        )
         _fallback(g)
         return output
     in_start = [sum(in_len[:d]) for d in range(world)]
