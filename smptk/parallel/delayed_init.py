@@ -39,15 +39,16 @@ parent's ``__init__`` is not replayed. A module whose own tensors an ancestor's 
 of them (MoE's reset resets its experts), is not reset again; one that reset wrote in part (a parent
 zero-initializing a child's weight, not its bias) is reset and keeps what the ancestor wrote, as the
 eager build, where the parent's reset ran last, keeps it. What was written is read from the tensors'
-version counters, the same on every rank (an empty shard's too). Where a parent's reset draws random
-values for itself or its children, it draws them here before its children's draws and, eager, after them:
-the same distribution, other values (in the modules after it too). A parameter shared by several modules
-(an embedding tied to the head) stays one tensor (``to_empty`` would untie it) and keeps the draw of its
-first owner in that order; the later owners' resets still draw, as their eager construction did, and
-their values are discarded. That is the eager build's values when the tie gives the later module the
-earlier one's parameter (Hugging Face's ``lm_head.weight = embed_tokens.weight``); the opposite tie
-(nanoGPT's ``wte.weight = lm_head.weight``, whose eager values are the head's draw) gets the embedding's
-draw.
+version counters, the same on every rank (an empty shard's too); during the resets ``t.data`` of the
+model's tensors is ``t.detach()``, which shares ``t``'s counter, so a write through ``.data`` counts too.
+Where a parent's reset draws random values for itself or its children, it draws them here before its
+children's draws and, eager, after them: the same distribution, other values (in the modules after it
+too). A parameter shared by several modules (an embedding tied to the head) stays one tensor
+(``to_empty`` would untie it) and keeps the draw of its first owner in that order; the later owners'
+resets still draw, as their eager construction did, and their values are discarded. That is the eager
+build's values when the tie gives the later module the earlier one's parameter (Hugging Face's
+``lm_head.weight = embed_tokens.weight``); the opposite tie (nanoGPT's ``wte.weight = lm_head.weight``,
+whose eager values are the head's draw) gets the embedding's draw.
 
 Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -77,6 +78,7 @@ import inspect
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from smptk.parallel.config import ParallelState, current
 from smptk.parallel.shard_init import local as _local
@@ -162,7 +164,7 @@ def materialize(
     done: set[int] = set()  # parameters a reset has given values (a shared one keeps its first owner's)
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(state.seed_for())
-        with torch.no_grad():
+        with torch.no_grad(), _DataWritesCount(unwritten):
             for module in model.modules():
                 reset = getattr(module, "reset_parameters", None)
                 if not callable(reset):
@@ -193,6 +195,24 @@ def materialize(
     if not allow_uninitialized:
         _check_all_written(model, values, unwritten)
     return ran
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor whose __get__ is ``tensor.data``
+
+
+class _DataWritesCount(TorchFunctionMode):
+    """While the resets run, ``t.data`` of the model's parameters and buffers (ids in ``tracked``) is
+    ``t.detach()``: the same memory, and the version counter shared with ``t`` (``.data`` gets a counter
+    of its own), so a reset that writes ``child.weight.data.zero_()`` counts as writing ``child.weight``."""
+
+    def __init__(self, tracked: dict[int, tuple[int, int]]) -> None:
+        super().__init__()
+        self.tracked = tracked
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is _DATA and id(args[0]) in self.tracked:
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
 
 
 def _version(t: torch.Tensor) -> tuple[int, int]:
