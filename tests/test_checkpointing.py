@@ -665,6 +665,41 @@ def test_materialize_keeps_tied_parameters_tied_with_the_eager_values(world1) ->
         assert torch.equal(got, want), name
 
 
+def test_materialize_keeps_a_shared_buffer_shared(world1) -> None:
+    """A table the model registers in every layer too (one tensor, refilled by the model's reset): to_empty
+    gave each layer a copy of its own, which no reset wrote, and materialize refused the model naming
+    ``layers.0.slopes`` (allow_uninitialized left the copies NaN). Now it stays one tensor."""
+
+    class Attn(nn.Module):
+        def __init__(self, slopes: torch.Tensor) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.register_buffer("slopes", slopes, persistent=False)
+
+        def reset_parameters(self) -> None:
+            pass
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("slopes", torch.linspace(0, 1, 4), persistent=False)
+            self.layers = nn.ModuleList([Attn(self.slopes), Attn(self.slopes)])
+
+        def reset_parameters(self) -> None:
+            self.slopes.copy_(torch.linspace(0, 1, 4))
+
+    with torch.device("meta"):
+        lazy = Net()
+    materialize(lazy, world1)
+    assert all(layer.slopes is lazy.slopes for layer in lazy.layers)
+    torch.manual_seed(world1.seed_for())
+    eager = Net()
+    for name, want in (*eager.named_parameters(), *eager.named_buffers(remove_duplicate=False)):
+        assert torch.equal(lazy.get_buffer(name) if "slopes" in name else lazy.get_parameter(name), want), (
+            name
+        )
+
+
 def test_materialize_resets_a_moe_once(world1) -> None:
     """MoE's reset_parameters resets its experts; materialize reset the experts module again (a second
     draw), so the experts and every later layer differed from the eager build."""

@@ -43,12 +43,12 @@ version counters, the same on every rank (an empty shard's too); during the rese
 model's tensors is ``t.detach()``, which shares ``t``'s counter, so a write through ``.data`` counts too.
 Where a parent's reset draws random values for itself or its children, it draws them here before its
 children's draws and, eager, after them: the same distribution, other values (in the modules after it
-too). A parameter shared by several modules (an embedding tied to the head) stays one tensor
-(``to_empty`` would untie it) and keeps the draw of its first owner in that order; the later owners'
-resets still draw, as their eager construction did, and their values are discarded. That is the eager
-build's values when the tie gives the later module the earlier one's parameter (Hugging Face's
-``lm_head.weight = embed_tokens.weight``); the opposite tie (nanoGPT's ``wte.weight = lm_head.weight``,
-whose eager values are the head's draw) gets the embedding's draw.
+too). A buffer several modules register stays one tensor (``to_empty`` would untie it), and so does a
+parameter shared by several modules (an embedding tied to the head), which keeps the draw of its first
+owner in that order; the later owners' resets still draw, as their eager construction did, and their
+values are discarded. That is the eager build's values when the tie gives the later module the earlier
+one's parameter (Hugging Face's ``lm_head.weight = embed_tokens.weight``); the opposite tie (nanoGPT's
+``wte.weight = lm_head.weight``, whose eager values are the head's draw) gets the embedding's draw.
 
 Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -143,12 +143,13 @@ def materialize(
             "allow_uninitialized=True when a checkpoint is loaded next"
         )
     target = torch.device(device) if device is not None else _device(state)
-    ties = _shared_parameters(model)
-    model.to_empty(device=target)  # unties shared parameters (each slot gets its own new tensor)
+    ties = _shared_tensors(model)
+    model.to_empty(device=target)  # unties shared tensors (each slot gets its own new tensor)
     for slots in ties:
-        first = slots[0][0]._parameters[slots[0][1]]
-        for module, name in slots[1:]:
-            module._parameters[name] = first
+        owner, kind, key = slots[0]
+        first = getattr(owner, kind)[key]
+        for module, kind, name in slots[1:]:
+            getattr(module, kind)[name] = first
     values = _floating_values(model)
     with torch.no_grad():
         for _, t in values:
@@ -268,13 +269,15 @@ def refill_rotary(model: nn.Module) -> int:
     return done
 
 
-def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The (module, name) slots of each parameter held in more than one slot (a tied embedding and head)."""
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+def _shared_tensors(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
+    """The (module, ``"_parameters"`` or ``"_buffers"``, name) slots of each parameter or buffer held in more
+    than one slot (a tied embedding and head, a table several layers register)."""
+    slots: dict[int, list[tuple[nn.Module, str, str]]] = {}
     for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                slots.setdefault(id(p), []).append((module, name))
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(module, kind).items():
+                if t is not None:
+                    slots.setdefault(id(t), []).append((module, kind, name))
     return [s for s in slots.values() if len(s) > 1]
 
 
