@@ -668,16 +668,18 @@ def test_materialize_keeps_tied_parameters_tied_with_the_eager_values(world1) ->
 def test_materialize_keeps_a_shared_buffer_shared(world1) -> None:
     """A table the model registers in every layer too (one tensor, refilled by the model's reset): to_empty
     gave each layer a copy of its own, which no reset wrote, and materialize refused the model naming
-    ``layers.0.slopes`` (allow_uninitialized left the copies NaN). Now it stays one tensor."""
+    ``layers.0.slopes`` (allow_uninitialized left the copies NaN). Now it stays one tensor, and a layer
+    whose only own tensor it is still runs its reset (the model's write is no reason to skip it)."""
 
     class Attn(nn.Module):
         def __init__(self, slopes: torch.Tensor) -> None:
             super().__init__()
             self.proj = nn.Linear(4, 4)
             self.register_buffer("slopes", slopes, persistent=False)
+            self.reset_parameters()
 
         def reset_parameters(self) -> None:
-            pass
+            nn.init.zeros_(self.proj.bias)
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -694,6 +696,7 @@ def test_materialize_keeps_a_shared_buffer_shared(world1) -> None:
     assert all(layer.slopes is lazy.slopes for layer in lazy.layers)
     torch.manual_seed(world1.seed_for())
     eager = Net()
+    assert not eager.layers[1].proj.bias.any()
     for name, want in (*eager.named_parameters(), *eager.named_buffers(remove_duplicate=False)):
         assert torch.equal(lazy.get_buffer(name) if "slopes" in name else lazy.get_parameter(name), want), (
             name

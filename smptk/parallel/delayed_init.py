@@ -162,7 +162,7 @@ def materialize(
     if target.type == "cuda":
         devices = [target.index if target.index is not None else torch.cuda.current_device()]
     ran = 0
-    done: set[int] = set()  # parameters a reset has given values (a shared one keeps its first owner's)
+    done: set[int] = set()  # tensors a reset has given values (a shared one keeps its first owner's)
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(state.seed_for())
         with torch.no_grad(), _DataWritesCount(unwritten):
@@ -174,10 +174,10 @@ def materialize(
                 tensors = [*own, *module.buffers(recurse=False)]
                 written = [t for t in tensors if _version(t) != unwritten[id(t)]]
                 # all written by an ancestor's reset that resets its children (MoE's): not drawn again. A
-                # tied parameter written by its first owner (in ``done``) is no reason: that module's
-                # reset still draws, as eager
-                if tensors and len(written) == len(tensors) and not any(id(p) in done for p in own):
-                    done.update(id(p) for p in own)
+                # tied parameter or shared buffer written by its first owner (in ``done``) is no reason:
+                # that module's reset still runs, as eager
+                if tensors and len(written) == len(tensors) and not any(id(t) in done for t in tensors):
+                    done.update(id(t) for t in tensors)
                     continue
                 # the rest keep their values through this reset (which still draws, as eager): a tied
                 # parameter its first owner drew (the tie assigned after both modules were built lost the
@@ -190,7 +190,7 @@ def materialize(
                     _reset_torch_module(module, reset)
                 for t, value in kept:
                     _local(t).copy_(value)
-                done.update(id(p) for p in own)
+                done.update(id(t) for t in tensors)
                 ran += 1
     refill_rotary(model)
     if not allow_uninitialized:
