@@ -245,6 +245,7 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
         }
     parallel.reset()
     out["clip_edges"] = clip_edges(rank, world)
+    out["delayed_init"] = delayed_init_cases()
     out["inference_first"] = inference_first()
     return out
 
@@ -304,3 +305,128 @@ def clip_edges(rank: int, world: int) -> dict:
         "nan_inf": parallel.clip_grad_norm_([sharded], 1e9, norm_type=math.inf).item(),
         "neg_inf": parallel.clip_grad_norm_([partial, plain], 1e9, norm_type=-math.inf).item(),
     }
+
+
+class _Norm(nn.Module):
+    """A hand-written norm weight with its own reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HIDDEN))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class _Layer(nn.Module):
+    """Linears (tensor-parallel in the tp cases), torch's norms, a table shared with the model and, in the
+    first layer, smptk's MoE; its reset zeroes the output projection's weight through ``.data``."""
+
+    def __init__(self, table: torch.Tensor, moe: bool) -> None:
+        import smptk.parallel as parallel
+
+        super().__init__()
+        self.norm = _Norm()
+        self.q = nn.Linear(HIDDEN, HIDDEN)
+        self.o = nn.Linear(HIDDEN, HIDDEN)
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.bn = nn.BatchNorm1d(HIDDEN)
+        self.register_buffer("table", table, persistent=False)
+        if moe:
+            self.moe = parallel.MoE(HIDDEN, FFN, num_experts=4, top_k=2, num_shared_experts=1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.o.weight.data.zero_()
+
+
+class _DelayedNet(nn.Module):
+    """What delayed initialization must give the eager values of: a tied, padded embedding and head, the
+    layers above, a final norm, and buffers its reset fills (one of them the layers' shared table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, HIDDEN, padding_idx=11)
+        self.register_buffer("table", torch.linspace(0, 1, HIDDEN), persistent=False)
+        self.register_buffer("position_ids", torch.arange(16), persistent=False)
+        self.layers = nn.ModuleList([_Layer(self.table, moe=True), _Layer(self.table, moe=False)])
+        self.final = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        self.table.copy_(torch.linspace(0, 1, HIDDEN))
+        self.position_ids.copy_(torch.arange(16))
+
+
+class _LoRALinear(nn.Linear):
+    """Adds a parameter the inherited nn.Linear reset does not know."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.lora_a = nn.Parameter(torch.zeros(2, n))
+
+
+def delayed_init_cases() -> dict:
+    """Meta build, tensor / expert / data parallelism, ``materialize``: per config, the problems found
+    (every parameter and buffer gathered whole against the eager one-process build from the same seed, the
+    tie, the shared table, and each parameter's storage: its local shard's bytes, nothing of the full
+    tensor); and what ``materialize`` raised for a LoRA-style parameter no reset writes (its 2 rows leave
+    ranks 2 and 3 an empty FSDP2 shard)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import smptk.parallel as parallel
+
+    configs = {
+        "fsdp": {"hybrid_shard_degree": 0},
+        "hsdp": {"hybrid_shard_degree": 2},
+        "tp2_fsdp": {"tensor_parallel_degree": 2, "hybrid_shard_degree": 0},
+        "ep2_fsdp": {"expert_parallel_degree": 2, "hybrid_shard_degree": 0},
+        "tp2_ep2": {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+    }
+    out: dict = {}
+    for name, config in configs.items():
+        state = parallel.init({"mixed_precision": "fp32", "random_seed": 5, **config})
+        with torch.device("meta"):
+            model = _DelayedNet()
+        if state.sizes["tp"] > 1:
+            plan = {"embed": parallel.SmptkVocabParallel(), "head": parallel.SmptkColwiseParallel()}
+            for i in range(2):
+                plan[f"layers.{i}.q"] = parallel.SmptkColwiseParallel()
+                plan[f"layers.{i}.o"] = parallel.SmptkRowwiseParallel()
+            parallelize_module(model, state.submesh("tp"), plan)
+        if state.sizes["ep"] > 1:
+            parallel.apply_expert_parallel(model, state)
+        model, _ = parallel.apply_data_parallel(model, state)
+        parallel.materialize(model, state)
+        torch.manual_seed(5)
+        eager = _DelayedNet()
+        problems = []
+        got = dict((*model.named_parameters(), *model.named_buffers(remove_duplicate=False)))
+        for n, want in (*eager.named_parameters(), *eager.named_buffers(remove_duplicate=False)):
+            t = got[n].full_tensor() if hasattr(got[n], "full_tensor") else got[n]
+            if not torch.equal(t, want.detach()):
+                problems.append(f"{n} differs from the eager build")
+        if model.head.weight is not model.embed.weight:
+            problems.append("head.weight is no longer embed.weight")
+        if any(layer.table is not model.table for layer in model.layers):
+            problems.append("the layers' table is no longer the model's")
+        for n, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+                problems.append(
+                    f"{n}: {local.untyped_storage().nbytes()} bytes stored for {tuple(local.shape)}"
+                )
+        out[name] = problems
+        parallel.reset()
+    state = parallel.init({"hybrid_shard_degree": 0, "mixed_precision": "fp32"})
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _LoRALinear(4))
+    model, _ = parallel.apply_data_parallel(model, state)
+    try:
+        parallel.materialize(model, state)
+        out["lora"] = None
+    except RuntimeError as e:
+        out["lora"] = str(e)
+    parallel.reset()
+    return out

@@ -106,6 +106,27 @@ def test_delayed_init_materializes_the_one_process_values(job) -> None:
         assert run["init_diff"] and all(d == 0 for d in run["init_diff"].values()), (rank, run["init_diff"])
 
 
+@pytest.mark.parametrize("config", ["fsdp", "hsdp", "tp2_fsdp", "ep2_fsdp", "tp2_ep2"])
+def test_delayed_init_gives_the_eager_values_under_every_layout(job, config: str) -> None:
+    """fsdp_jobs.delayed_init_cases: a model of torch's, smptk's and hand-written layers (a tied, padded
+    embedding; norms, batch norm, MoE; a table its layers share; a reset that writes a child through
+    ``.data``) built on meta under TP / EP / FSDP / HSDP and materialized: every parameter and buffer
+    gathered whole equals the eager one-process build, the tie and the shared table hold, and each
+    parameter stores only its local shard."""
+    for rank in range(4):
+        assert job[rank]["delayed_init"][config] == [], (rank, job[rank]["delayed_init"][config])
+
+
+def test_delayed_init_names_an_unwritten_parameter_on_every_rank(job) -> None:
+    """A LoRA-style parameter no reset writes, under FSDP2 over 4 ranks: nn.Linear's reset ran on
+    full-size stand-ins (torch.empty) of the module's sharded parameters and copied every one back, so
+    the unwritten one took the stand-in's uninitialized memory and no rank raised. Now every rank names
+    it (ranks 2 and 3, whose shard is empty, by its version counter)."""
+    for rank in range(4):
+        message = job[rank]["delayed_init"]["lora"]
+        assert message is not None and "gave 1.lora_a values" in message, (rank, message)
+
+
 def test_smptk_and_torch_collectives_give_the_same_parameters(job) -> None:
     for rank in range(4):
         a, b = job[rank]["full_shard_smptk"]["params"], job[rank]["full_shard_torch"]["params"]

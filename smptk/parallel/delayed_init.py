@@ -12,24 +12,25 @@ default CPU generator too (their ``generator=`` argument). No rank ever holds th
 
 What the values are: smptk's layers (:class:`~smptk.parallel.ColumnParallelLinear`, ...) draw exactly the
 unsharded module's values (they draw the full tensor from the generator and keep their slice, see
-:mod:`smptk.parallel.shard_init`), so a model of smptk layers and unsharded torch layers gets the
-values the same resets in the same order give the unsharded model. A torch module whose own parameters
-are DTensors (sharded by ``fully_shard`` or a torch ParallelStyle): on CUDA its ``reset_parameters``
-draws with torch's DTensor random-number tracker (the values a full-tensor draw on the GPU would give
-each shard); on CPU, where the tracker draws every shard locally (each rank the same numbers, and fewer
-of them than the whole tensor), it runs on full-size CPU stand-ins of those parameters and each rank
-keeps its piece, so the module and every later one get the unsharded model's values. Where values must
-equal a checkpoint, load it afterwards
-(:func:`~smptk.parallel.load_full_state_dict` or :func:`~smptk.parallel.load_checkpoint`). Buffers come
-back uninitialized unless their module's ``reset_parameters`` refills them (torch's norms do): a module
-with a computed buffer must recompute it there (Hugging Face's rotary modules, which have no reset, are
-refilled from their config: :func:`refill_rotary`). A module that holds parameters or buffers of its own
-and has no ``reset_parameters`` is refused before anything is allocated (its values would be whatever
-memory ``to_empty`` gave), and every floating parameter and buffer is filled with NaN before the resets
-and checked after them (integer and bool ones: that a reset wrote them, by their version counters), so
-one that no reset wrote (a subclass adding parameters its inherited reset does not know, a position-id or
-mask buffer built in ``__init__``) is named in a RuntimeError; ``allow_uninitialized=True`` allows both
-when a checkpoint load follows.
+:mod:`smptk.parallel.shard_init`), so a model of smptk layers and unsharded torch layers gets the values
+the same resets in the same order give the unsharded model. A torch module whose own parameters are
+DTensors (sharded by ``fully_shard`` or a torch ParallelStyle): on CUDA its ``reset_parameters`` draws
+with torch's DTensor random-number tracker (the values a full-tensor draw on the GPU would give each
+shard); on CPU, where the tracker draws every shard locally (each rank the same numbers, and fewer of
+them than the whole tensor), it runs on full-size CPU stand-ins of those parameters and each rank keeps
+its piece of those the reset wrote, so the module and every later one get the unsharded model's values.
+Where values must equal a checkpoint, load it afterwards (:func:`~smptk.parallel.load_full_state_dict` or
+:func:`~smptk.parallel.load_checkpoint`). Buffers come back uninitialized unless their module's
+``reset_parameters`` refills them (torch's norms do): a module with a computed buffer must recompute it
+there (Hugging Face's rotary modules, which have no reset, are refilled from their config:
+:func:`refill_rotary`). A module that holds parameters or buffers of its own and has no
+``reset_parameters`` is refused before anything is allocated (its values would be whatever memory
+``to_empty`` gave), and every floating parameter and buffer is filled with NaN before the resets; after
+them each one's version counter (the same on every rank, an empty shard's too) says that a reset wrote
+it, and the floating ones must hold no NaN (a reset that wrote part of one), so one that no reset wrote
+(a subclass adding parameters its inherited reset does not know, a position-id or mask buffer built in
+``__init__``) is named in a RuntimeError; ``allow_uninitialized=True`` allows both when a checkpoint load
+follows.
 
 Order: the resets run in ``model.modules()`` order (a parent before its children), so the values are the
 eager build's when the model builds its submodules in the order it registers them and initializes them
@@ -106,9 +107,10 @@ def materialize(
             type and ``seed_for()``.
         device: where to allocate (default: the state's device; CUDA: the current device).
         allow_uninitialized: allow modules that hold parameters or buffers and have no
-            ``reset_parameters`` (a Hugging Face model's norms), whose values stay uninitialized memory:
-            for a caller that loads a checkpoint next (:func:`~smptk.parallel.load_hf_state_dict`,
-            :func:`~smptk.parallel.load_full_state_dict`, :func:`~smptk.parallel.load_checkpoint`).
+            ``reset_parameters`` (a Hugging Face model's norms), and tensors no reset wrote: floating ones
+            are then NaN, the others uninitialized memory. For a caller that loads a checkpoint next
+            (:func:`~smptk.parallel.load_hf_state_dict`, :func:`~smptk.parallel.load_full_state_dict`,
+            :func:`~smptk.parallel.load_checkpoint`).
 
     Returns:
         The number of modules whose ``reset_parameters`` ran.
@@ -295,17 +297,17 @@ def _floating_values(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _check_all_written(
     model: nn.Module, values: list[tuple[str, torch.Tensor]], unwritten: dict[int, tuple[int, int]]
 ) -> None:
-    """Raise, naming them, when parameters or buffers still hold the NaN that materialize filled them with,
-    or (integer and bool ones, which cannot hold NaN) were never written: a ``reset_parameters`` that does
-    not cover all of its module's tensors (a subclass that adds parameters and inherits its parent's reset,
-    a position-id or mask buffer built in ``__init__``) left them uninitialized."""
+    """Raise, naming them, when parameters or buffers were never written (their version counters, the same
+    on every rank, an empty shard's too) or still hold the NaN that materialize filled the floating ones
+    with (a reset that wrote part of one): a ``reset_parameters`` that does not cover all of its module's
+    tensors (a subclass that adds parameters and inherits its parent's reset, a position-id or mask buffer
+    built in ``__init__``) left them uninitialized."""
     flags = torch.stack([t.isnan().any() for _, t in values]).tolist() if values else []  # one host sync
     names = [name for (name, _), bad in zip(values, flags, strict=True) if bad]
     with torch.no_grad():
         seen: set[int] = set()
         for name, t in (*model.named_parameters(), *model.named_buffers()):
-            exact = not _local(t).is_floating_point() and t.numel() > 0
-            if id(t) not in seen and exact and _version(t) == unwritten[id(t)]:
+            if id(t) not in seen and name not in names and t.numel() > 0 and _version(t) == unwritten[id(t)]:
                 names.append(name)
             seen.add(id(t))
     if not names:
@@ -331,6 +333,10 @@ def _reset_torch_module(module: nn.Module, reset) -> None:
         reset()
         return
     stand_ins = {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for name, p in sharded.items()}
+    for full in stand_ins.values():
+        if full.is_floating_point():
+            full.fill_(float("nan"))  # a part the reset leaves shows up as materialize's own fill does
+    before = {name: full._version for name, full in stand_ins.items()}
     try:
         for name, full in stand_ins.items():
             module._parameters[name] = full
@@ -339,6 +345,8 @@ def _reset_torch_module(module: nn.Module, reset) -> None:
         for name, p in sharded.items():
             module._parameters[name] = p
     for name, p in sharded.items():
+        if stand_ins[name]._version == before[name]:
+            continue  # the reset did not write it (a parameter a subclass adds): it stays unwritten
         piece = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
         p.to_local().copy_(piece.to_local())
 
