@@ -780,8 +780,8 @@ def test_materialize_keeps_what_a_parents_reset_wrote_into_a_child(world1) -> No
 def test_materialize_counts_writes_through_data(world1) -> None:
     """Writes through ``.data`` bump no version counter of the parameter or buffer: a parent whose reset
     zeroed ``self.out.weight.data`` had its zeros drawn over by the projection's own reset (max difference
-    0.39 from the eager build), and a reset that filled an integer buffer through ``.data`` was refused as
-    never written. Both now count as writes."""
+    0.39 from the eager build), and a reset that filled an integer buffer through ``.data`` (or set it,
+    ``t.data = value``) was refused as never written. They now count as writes."""
 
     class Branch(nn.Module):
         def __init__(self) -> None:
@@ -789,11 +789,13 @@ def test_materialize_counts_writes_through_data(world1) -> None:
             self.inp = nn.Linear(6, 6)
             self.out = nn.Linear(6, 6)
             self.register_buffer("position_ids", torch.arange(6), persistent=False)
+            self.register_buffer("mask", torch.ones(6, 6, dtype=torch.bool).tril(), persistent=False)
             self.reset_parameters()
 
         def reset_parameters(self) -> None:
             self.out.weight.data.zero_()
-            self.position_ids.data.copy_(torch.arange(6))
+            self.position_ids.data = torch.arange(6)  # the setter still sets
+            self.mask.data.copy_(torch.ones(6, 6, dtype=torch.bool).tril())
 
     def build() -> nn.Module:
         return nn.Sequential(Branch(), nn.Linear(6, 3))
@@ -807,6 +809,7 @@ def test_materialize_counts_writes_through_data(world1) -> None:
     for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
         assert torch.equal(got, want), name
     assert torch.equal(lazy[0].position_ids, torch.arange(6))
+    assert torch.equal(lazy[0].mask, eager[0].mask)
 
 
 def test_materialize_names_integer_buffers_no_reset_wrote(world1) -> None:

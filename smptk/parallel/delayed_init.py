@@ -78,6 +78,7 @@ import inspect
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
@@ -206,16 +207,21 @@ _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor whose __get__ is 
 class _DataWritesCount(TorchFunctionMode):
     """While the resets run, ``t.data`` of the model's parameters and buffers (ids in ``tracked``) is
     ``t.detach()``: the same memory, and the version counter shared with ``t`` (``.data`` gets a counter
-    of its own), so a reset that writes ``child.weight.data.zero_()`` counts as writing ``child.weight``."""
+    of its own), so a reset that writes ``child.weight.data.zero_()`` counts as writing ``child.weight``;
+    ``t.data = value`` sets and counts as a write too."""
 
     def __init__(self, tracked: dict[int, tuple[int, int]]) -> None:
         super().__init__()
         self.tracked = tracked
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__self__", None) is _DATA and id(args[0]) in self.tracked:
+        if getattr(func, "__self__", None) is not _DATA or id(args[0]) not in self.tracked:
+            return func(*args, **(kwargs or {}))
+        if func.__name__ == "__get__":
             return args[0].detach()
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))  # ``t.data = value``: a write too
+        increment_version(args[0])
+        return out
 
 
 def _version(t: torch.Tensor) -> tuple[int, int]:
