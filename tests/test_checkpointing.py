@@ -812,6 +812,34 @@ def test_materialize_counts_writes_through_data(world1) -> None:
     assert torch.equal(lazy[0].mask, eager[0].mask)
 
 
+def test_materialize_leaves_a_rotary_module_with_its_own_reset_to_it(world1) -> None:
+    """A module named like Hugging Face's rotary ones (``...RotaryEmbedding`` holding a ``config``) but with
+    a reset_parameters and constructor of its own: materialize ran its reset, then rebuilt it from its
+    config alone to refill Hugging Face's tables, and raised TypeError (``missing 1 required positional
+    argument: 'dim'``) after allocating the model. Its own reset refills it now."""
+
+    class RotaryEmbedding(nn.Module):
+        def __init__(self, config: dict, dim: int) -> None:
+            super().__init__()
+            self.config, self.dim = config, dim
+            self.register_buffer("inv_freq", self._freqs(), persistent=False)
+
+        def _freqs(self) -> torch.Tensor:
+            return 1.0 / (self.config["theta"] ** (torch.arange(0, self.dim, 2).float() / self.dim))
+
+        def reset_parameters(self) -> None:
+            self.inv_freq.copy_(self._freqs())
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), RotaryEmbedding({"theta": 10000.0}, 8))
+
+    with torch.device("meta"):
+        lazy = build()
+    materialize(lazy, world1)
+    eager = build()
+    assert torch.equal(lazy[1].inv_freq, eager[1].inv_freq)
+
+
 def test_materialize_names_integer_buffers_no_reset_wrote(world1) -> None:
     """Integer and bool buffers cannot hold the NaN fill: a position-id or causal-mask buffer built in
     ``__init__`` and not rebuilt by the reset came back as whatever memory to_empty gave (values near

@@ -236,8 +236,13 @@ def _versions(model: nn.Module) -> dict[int, tuple[int, int]]:
 
 
 def _is_hf_rotary(module: nn.Module) -> bool:
-    """A Hugging Face rotary-embedding module: computed buffers (``inv_freq``), no ``reset_parameters``."""
-    return type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")
+    """A Hugging Face rotary-embedding module: computed buffers (``inv_freq``), no ``reset_parameters``
+    (a module of that name that has one refills its own buffers, and may take other constructor arguments)."""
+    return (
+        type(module).__name__.endswith("RotaryEmbedding")
+        and hasattr(module, "config")
+        and not callable(getattr(module, "reset_parameters", None))
+    )
 
 
 def refill_rotary(model: nn.Module) -> int:
