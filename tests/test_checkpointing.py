@@ -874,3 +874,9 @@ def test_materialize_rejects_a_real_model(world1) -> None:
         assert torch.equal(t, before[name]), "nothing changed"
     with pytest.raises(TypeError, match=r"model: expected an nn\.Module"):
         materialize("model", world1)
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    for bad in ({"random_seed": 1}, ParallelConfig()):  # the config where init's state belongs
+        with pytest.raises(TypeError, match=rf"state: expected the ParallelState .* {type(bad).__name__}"):
+            materialize(model, bad)
+    assert model.weight.is_meta, "nothing was allocated"

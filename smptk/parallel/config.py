@@ -601,6 +601,19 @@ def current() -> ParallelState:
     return _state
 
 
+def state_or_current(state: object) -> ParallelState:
+    """``state`` when it is a :class:`ParallelState`, :func:`current` for None; TypeError naming ``state``
+    otherwise (a config dict or a :class:`ParallelConfig` passed where :func:`init`'s result belongs)."""
+    if state is None:
+        return current()
+    if not isinstance(state, ParallelState):
+        raise TypeError(
+            f"state: expected the ParallelState of smptk.parallel.init (or None for current()), got "
+            f"{type(state).__name__}"
+        )
+    return state
+
+
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`reset`.
 

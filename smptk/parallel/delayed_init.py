@@ -82,7 +82,7 @@ from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from smptk.parallel.config import ParallelState, current
+from smptk.parallel.config import ParallelState, state_or_current
 from smptk.parallel.shard_init import local as _local
 
 
@@ -117,13 +117,14 @@ def materialize(
         The number of modules whose ``reset_parameters`` ran.
 
     Raises:
+        TypeError: ``model`` is not an nn.Module, or ``state`` not a ParallelState (a config dict, say).
         ValueError: a parameter or buffer is not on the meta device (materializing would discard its
             values), or a module holding parameters or buffers has no ``reset_parameters`` (nothing would
             give them values); raised before anything is allocated.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    state = state if state is not None else current()
+    state = state_or_current(state)
     real = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta]
     if real:
         shown = ", ".join(real[:3]) + (f" and {len(real) - 3} more" if len(real) > 3 else "")

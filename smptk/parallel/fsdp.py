@@ -104,7 +104,7 @@ from smptk.comm.adapters import (
 from smptk.comm.heap import same_host
 from smptk.kernels import runtime
 from smptk.kernels.heap_layout import MAX_WORLD
-from smptk.parallel.config import ParallelState, current
+from smptk.parallel.config import ParallelState, state_or_current
 from smptk.parallel.expert_parallel import expert_parameter_ids, expert_placement_fn, experts_without_unit
 from smptk.parallel.moe import MoE
 
@@ -421,13 +421,7 @@ def _heap_blocker(group: dist.ProcessGroup, device_type: str, group_name: str) -
 def _check_args(model, state, reshard_after_forward, use_smptk_collectives) -> ParallelState:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if state is None:
-        state = current()
-    elif not isinstance(state, ParallelState):
-        raise TypeError(
-            f"state: expected the ParallelState of smptk.parallel.init (or None for current()), got "
-            f"{type(state).__name__}"
-        )
+    state = state_or_current(state)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
             "reshard_after_forward: expected a bool, an int or None, got "
