@@ -748,6 +748,19 @@ def test_materialize_decides_the_same_on_a_rank_whose_expert_shard_is_empty() ->
     torch.testing.assert_close(head, eager.head.weight[2 * rank : 2 * rank + 2], rtol=0, atol=0)
 
 
+def _materialized_and_eager(build, state) -> tuple[nn.Module, nn.Module]:
+    """``build()`` on meta then materialized, and built eagerly after seeding with the state's seed; their
+    state dicts are checked equal."""
+    with torch.device("meta"):
+        lazy = build()
+    materialize(lazy, state)
+    torch.manual_seed(state.seed_for())
+    eager = build()
+    for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    return lazy, eager
+
+
 def test_materialize_keeps_what_a_parents_reset_wrote_into_a_child(world1) -> None:
     """A parent whose reset zero-initializes its output projection's weight (not its bias), as residual
     branches do: materialize reset the projection after the parent (its bias was unwritten) and drew the
@@ -767,14 +780,8 @@ def test_materialize_keeps_what_a_parents_reset_wrote_into_a_child(world1) -> No
     def build() -> nn.Module:
         return nn.Sequential(Branch(), nn.Linear(6, 3))
 
-    with torch.device("meta"):
-        lazy = build()
-    materialize(lazy, world1)
-    torch.manual_seed(world1.seed_for())
-    eager = build()
+    _, eager = _materialized_and_eager(build, world1)
     assert not eager[0].out.weight.any()
-    for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
-        assert torch.equal(got, want), name
 
 
 def test_materialize_counts_writes_through_data(world1) -> None:
@@ -800,14 +807,8 @@ def test_materialize_counts_writes_through_data(world1) -> None:
     def build() -> nn.Module:
         return nn.Sequential(Branch(), nn.Linear(6, 3))
 
-    with torch.device("meta"):
-        lazy = build()
-    materialize(lazy, world1)
-    torch.manual_seed(world1.seed_for())
-    eager = build()
+    lazy, eager = _materialized_and_eager(build, world1)
     assert not eager[0].out.weight.any()
-    for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
-        assert torch.equal(got, want), name
     assert torch.equal(lazy[0].position_ids, torch.arange(6))
     assert torch.equal(lazy[0].mask, eager[0].mask)
 
