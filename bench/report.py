@@ -4,7 +4,9 @@ Everything shown comes from the rows: medians, spreads and throughputs are the r
 derived columns are ratios of rows of the same run (speedup = baseline median / median, the baseline
 being torch_eager or the suite's own, :data:`SUITE_BASELINES`; "% of matmul" = TFLOP/s / torch_matmul
 TFLOP/s). A missing implementation shows as a dash, never as an estimate. Sections whose rows count no
-FLOPs (MoE routing) chart GB/s; rows with a ``routing_share`` (MoE layer) get a column for it.
+FLOPs (MoE routing) chart GB/s; rows with a ``routing_share`` (MoE layer) get a column for it. A page
+of several runs (files loaded together to compare commits or GPUs) names each row's run in its tables,
+gives each run its own bars and summary lines, and compares rows only within their run.
 The page has no script, no external CSS or font, and the charts are SVG written here.
 
 Collective benchmarks (suites ``comm_*``) get their own part of the page, written by
@@ -152,8 +154,9 @@ def _median_s(row: dict[str, Any]) -> float | None:
 
 
 def _tflops_at(row: dict[str, Any], seconds: float | None) -> float | None:
+    """TFLOP/s of the row's FLOPs in ``seconds``; None for a row that counts none (MoE routing)."""
     flops = row.get("flops")
-    if not seconds or not isinstance(flops, (int, float)):
+    if not seconds or not isinstance(flops, (int, float)) or flops <= 0:
         return None
     return flops / seconds / 1e12
 
@@ -233,9 +236,13 @@ def svg_bar_chart(
     axis_max, step = _nice_ceiling(vmax)
     ticks = round(axis_max / step)
     tick_labels = [_fmt(i * step, 3) for i in range(ticks + 1)]
-    bar_w, gap, top, plot_h, bottom = 18, 26, 34, 200, 74
+    label_lines = [group.split(" × ") for group in groups]
+    bar_w, gap, top, plot_h = 18, 26, 34, 200
+    bottom = max(74, 24 + 13 * max((len(lines) for lines in label_lines), default=0))
     left = 34 + 7 * max(len(t) for t in tick_labels)  # room for the widest tick label and the axis title
-    group_w = max(1, len(series)) * bar_w + gap
+    # Wide enough for the group's longest label line (about 6.5 px a character at font size 11).
+    widest = max((len(part) for lines in label_lines for part in lines), default=0)
+    group_w = max(max(1, len(series)) * bar_w + gap, math.ceil(6.5 * widest) + 12)
     legend_w = sum(24 + 7 * len(s) for s in series)
     width = max(320, left + len(groups) * group_w + 20, left + legend_w + 10)
     height = top + plot_h + bottom
@@ -266,7 +273,7 @@ def svg_bar_chart(
         f'transform="rotate(-90 14 {top + plot_h / 2:.0f})">{_esc(unit)}</text>'
     )
     for gi, group in enumerate(groups):
-        x0 = left + gap / 2 + gi * group_w
+        x0 = left + gi * group_w + (group_w - len(series) * bar_w) / 2  # the bars centred in their group
         for si, s in enumerate(series):
             if (group, s) not in values:
                 continue
@@ -280,7 +287,7 @@ def svg_bar_chart(
             cx = x + (bar_w - 2) / 2
             out.append(f'<line x1="{cx:.1f}" y1="{y(hi):.1f}" x2="{cx:.1f}" y2="{y(lo):.1f}" stroke="#111"/>')
         label_x = x0 + len(series) * bar_w / 2
-        for li, part in enumerate(group.split(" × ")):
+        for li, part in enumerate(label_lines[gi]):
             out.append(
                 f'<text x="{label_x:.1f}" y="{top + plot_h + 16 + 13 * li}" font-size="11" '
                 f'text-anchor="middle">{_esc(part)}</text>'
@@ -289,13 +296,24 @@ def svg_bar_chart(
     return "".join(out)
 
 
-def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], section: list[dict]) -> str:
+def _runs(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The run ids of ``rows`` in the order they first appear."""
+    return list(dict.fromkeys(str(r.get("run_id")) for r in rows))
+
+
+def _section_html(
+    rows: list[dict[str, Any]], key: tuple[str, str, str, str], section: list[dict], *, by_run: bool = False
+) -> str:
+    """One section's chart and table. With ``by_run`` (a page of several runs) every row names its run, and
+    each (shape, run) is a group of its own: rows of two runs are never drawn as one bar or left to look
+    alike in the table."""
     suite, label, pass_, dtype = key
     impls = sorted({str(r.get("impl")) for r in section}, key=_impl_key)
-    shapes: list[tuple] = []
+    cases: list[tuple] = []  # (shape, run) in the order they appear; run is "" on a one-run page
     for r in section:
-        if _shape_key(r) not in shapes:
-            shapes.append(_shape_key(r))
+        case = (_shape_key(r), str(r.get("run_id")) if by_run else "")
+        if case not in cases:
+            cases.append(case)
     notes = sorted({r["note"] for r in section if r.get("note")})
     baseline = SUITE_BASELINES.get(suite, BASELINE)
     # Rows that count no FLOPs (MoE routing: gathers and scatters) are charted in GB/s instead.
@@ -304,16 +322,17 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
 
     values: dict[tuple[str, str], tuple[float, float, float]] = {}
     body = []
-    for shape in shapes:
+    for shape, run in cases:
         shape_rows = sorted(
-            (r for r in section if _shape_key(r) == shape), key=lambda r: _impl_key(r["impl"])
+            (r for r in section if _shape_key(r) == shape and (not by_run or str(r.get("run_id")) == run)),
+            key=lambda r: _impl_key(r["impl"]),
         )
         best = min((_median_s(r) or math.inf) for r in shape_rows)
         for r in shape_rows:
             t = r.get("time_s") or {}
             med = _median_s(r)
             tflops = _tflops_at(r, med)
-            group = _shape_label(r.get("shape"))
+            group = _group_label(shape, run)
             if unit == "GB/s":
                 nbytes = _num(r, "bytes")
                 if med and nbytes:
@@ -335,7 +354,9 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
             share_td = f"<td>{share_text}</td>" if shares else ""
             body.append(
                 f'<tr class="{"best" if med is not None and med == best else ""}">'
-                f'<td class="l">{_esc(group)}</td><td class="l">{_esc(r.get("impl"))}</td>'
+                f'<td class="l">{_esc(_shape_label(r.get("shape")))}</td>'
+                + (f'<td class="l">{_esc(run)}</td>' if by_run else "")
+                + f'<td class="l">{_esc(r.get("impl"))}</td>'
                 f'<td class="l muted">{_esc(r.get("kernel_path"))}</td>'
                 f"<td>{_fmt(med * 1e3 if med else None)}</td>"
                 f"<td>{_fmt(iqr_ms, 3)}"
@@ -348,7 +369,9 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
                 f"<td>{_fmt(check.get('max_abs_err'), 2) if check else '—'}</td>{share_td}</tr>"
             )
     head = (
-        "<tr><th class='l'>shape</th><th class='l'>impl</th><th class='l'>path</th><th>median ms</th>"
+        "<tr><th class='l'>shape</th>"
+        + ("<th class='l'>run</th>" if by_run else "")
+        + "<th class='l'>impl</th><th class='l'>path</th><th>median ms</th>"
         "<th>IQR ms (% of median)</th><th>min ms</th><th>TFLOP/s</th><th>GB/s (compulsory)</th>"
         f"<th>speedup vs {baseline}</th><th>% of {CEILING} TFLOP/s</th><th>rounds</th>"
         "<th>max abs err vs fp32</th>"
@@ -356,34 +379,48 @@ def _section_html(rows: list[dict[str, Any]], key: tuple[str, str, str, str], se
         + "</tr>"
     )
     note_html = "".join(f'<p class="note">{_esc(n)}</p>' for n in notes)
-    chart = svg_bar_chart([_shape_label(dict(s)) for s in shapes], impls, values, unit=unit)
+    chart = svg_bar_chart([_group_label(shape, run) for shape, run in cases], impls, values, unit=unit)
     return (
         f'<section><h2>{_esc(label)} — {_esc(pass_)} — {_esc(dtype)} <span class="muted">({_esc(suite)})'
         f"</span></h2>{note_html}{chart}<table>{head}{''.join(body)}</table></section>"
     )
 
 
-def _summary_html(rows: list[dict[str, Any]], sections: dict[tuple, list[dict]]) -> str:
-    """Per section: geometric-mean speedup of smptk vs torch_eager (or its suite's baseline, see
-    :data:`SUITE_BASELINES`) and smptk's % of torch_matmul."""
+def _group_label(shape: tuple[tuple[str, int], ...], run: str) -> str:
+    """A chart group's label: the shape, and on a page of several runs the run on a line of its own."""
+    return _shape_label(dict(shape)) + (f" × run {run}" if run else "")
+
+
+def _summary_html(
+    rows: list[dict[str, Any]], sections: dict[tuple, list[dict]], *, by_run: bool = False
+) -> str:
+    """Per section (and per run, ``by_run``, on a page of several runs: speedups of two commits are never
+    averaged together): geometric-mean speedup of smptk vs torch_eager (or its suite's baseline, see
+    :data:`SUITE_BASELINES`) over its shapes, and smptk's lowest % of torch_matmul."""
     others = sorted({(key[0], SUITE_BASELINES[key[0]]) for key in sections if key[0] in SUITE_BASELINES})
     baseline_text = BASELINE + (f" ({'; '.join(f'{s} suite: {b}' for s, b in others)})" if others else "")
     lines = []
     for key, section in sections.items():
-        ours = _ours(section)
-        speedups = [s for r in ours if (s := speedup_vs(rows, r)) is not None]
-        pcts = [p for r in ours if (p := pct_of_ceiling(rows, r)) is not None]
-        geo = math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None
-        worst = min(pcts) if pcts else None
-        lines.append(
-            f"<tr><td class='l'>{_esc(key[1])}</td><td class='l'>{_esc(key[2])}</td><td class='l'>"
-            f"{_esc(key[3])}</td><td>{len(ours)}</td><td>{_fmt(geo, 3) + '×' if geo else '—'}</td>"
-            f"<td>{_fmt(worst, 3) + '%' if worst else '—'}</td></tr>"
-        )
+        for run in _runs(section) if by_run else [""]:
+            ours = [r for r in _ours(section) if not by_run or str(r.get("run_id")) == run]
+            speedups = [s for r in ours if (s := speedup_vs(rows, r)) is not None]
+            pcts = [p for r in ours if (p := pct_of_ceiling(rows, r)) is not None]
+            geo = math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None
+            worst = min(pcts) if pcts else None
+            lines.append(
+                f"<tr><td class='l'>{_esc(key[1])}</td><td class='l'>{_esc(key[2])}</td><td class='l'>"
+                f"{_esc(key[3])}</td>"
+                + (f"<td class='l'>{_esc(run)}</td>" if by_run else "")
+                + f"<td>{len({_shape_key(r) for r in ours})}</td>"
+                f"<td>{_fmt(geo, 3) + '×' if geo else '—'}</td>"
+                f"<td>{_fmt(worst, 3) + '%' if worst else '—'}</td></tr>"
+            )
     return (
         "<h2>Summary (smptk)</h2><table><tr><th class='l'>op</th><th class='l'>pass</th><th class='l'>dtype"
-        f"</th><th>shapes</th><th>geo-mean speedup vs {baseline_text}</th><th>lowest % of {CEILING} TFLOP/s"
-        "</th></tr>" + "".join(lines) + "</table>"
+        "</th>" + ("<th class='l'>run</th>" if by_run else "") + "<th>shapes</th>"
+        f"<th>geo-mean speedup vs {baseline_text}</th><th>lowest % of {CEILING} TFLOP/s</th></tr>"
+        + "".join(lines)
+        + "</table>"
     )
 
 
@@ -569,8 +606,11 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
     if not measured_all:
         parts.append("<p>No measurements in this file.</p>")
     if measured:
-        parts.append(_summary_html(measured, sections))
-        parts.extend(_section_html(measured, key, section) for key, section in sections.items())
+        by_run = len(_runs(measured)) > 1
+        parts.append(_summary_html(measured, sections, by_run=by_run))
+        parts.extend(
+            _section_html(measured, key, section, by_run=by_run) for key, section in sections.items()
+        )
     parts.append(report_comm.comm_html(comm))
     parts.append(_not_measured_html(rows))
     if rows:

@@ -216,6 +216,32 @@ def test_report_sections_split_by_config_and_count_the_suites_own_impl() -> None
     assert "256 MiB" in page and "0.2 GiB" not in page
 
 
+def test_report_keeps_the_rows_of_two_runs_apart() -> None:
+    """Two runs' files loaded together (two commits side by side): each row names its run, each run has its
+    own bars and summary line (speedup 2.00x in one, 1.25x in the other, never their 1.58x geo-mean over
+    "2 shapes" of one shape), and a row that counts no FLOPs shows no TFLOP/s."""
+    rows = [_row("smptk", 0.002), _row("torch_eager", 0.004)]
+    rows += [_row("smptk", 0.004) | {"run_id": "run-2"}, _row("torch_eager", 0.005) | {"run_id": "run-2"}]
+    page = render_html(rows)
+    summary = page.split("<h2>Summary (smptk)</h2>")[1].split("</table>")[0]
+    assert "<td class='l'>run-1</td><td>1</td><td>2.00×</td>" in summary
+    assert "<td class='l'>run-2</td><td>1</td><td>1.25×</td>" in summary
+    assert "1.58×" not in page
+    section = page.split("<section>")[1]
+    assert section.count('<td class="l">run-1</td>') == 2 and section.count('<td class="l">run-2</td>') == 2
+    bars = [t for t in ET.fromstring(section[section.index("<svg") :].split("</svg>")[0] + "</svg>").iter()
+            if t.tag.endswith("title")]  # fmt: skip
+    assert len(bars) == 4 and sum("run-2" in t.text for t in bars) == 2
+    routing = _row("smptk_routing", 0.001) | {
+        "op": "moe_routing",
+        "activation": None,
+        "flops": 0,
+        "tflops": 0.0,
+    }
+    table = render_html([routing]).split("<section>")[1]
+    assert table.split('<td class="l muted">triton</td>')[1].split("</td>")[3] == "<td>—"  # TFLOP/s
+
+
 def test_report_leaves_missing_baselines_blank() -> None:
     page = render_html([_row("smptk", 0.002)])  # no torch_eager, no torch_matmul row
     summary = page.split("<h2>Summary (smptk)</h2>")[1].split("</table>")[0]
