@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import html
 import importlib.util
 import json
 import os
@@ -415,25 +414,12 @@ def run_bench(budget_s: float, env: dict[str, str], args: argparse.Namespace) ->
 
 
 # ----------------------------------------------------------------------------- output
-COLUMNS = ("issue", "target", "measured", "baseline (same run)", "threshold", "status")
+COLUMNS = _targets.TABLE_COLUMNS
 
 
 def table_rows(results: Sequence[_targets.Result]) -> list[tuple[str, ...]]:
-    """The targets table's cells, one tuple per target, in :data:`COLUMNS` order."""
-    out = []
-    for r in results:
-        measured = "—" if r.value is None else f"{r.value_text} ({r.case}: {r.measured})"
-        out.append(
-            (
-                str(r.target.issue),
-                r.target.id,
-                measured,
-                r.baseline or "—",
-                r.target.threshold_text,
-                r.status_text,
-            )
-        )
-    return out
+    """The targets table's cells, one tuple per target, in :data:`COLUMNS` order, as the report shows them."""
+    return [_targets.table_cells(r.as_dict()) for r in results]
 
 
 def print_table(results: Sequence[_targets.Result], stream: Any = None) -> None:
@@ -463,30 +449,6 @@ def print_table(results: Sequence[_targets.Result], stream: Any = None) -> None:
             print(line(row), file=stream)
     for r in results:
         print(f"  {r.target.id}: {r.target.description}", file=stream)
-
-
-def targets_html(results: Sequence[_targets.Result], banner: str | None) -> str:
-    """The targets table as an HTML section for the report."""
-    esc = lambda s: html.escape(str(s), quote=True)
-    head = "".join(f"<th class='l'>{esc(c)}</th>" for c in COLUMNS)
-    body = []
-    for r, row in zip(results, table_rows(results), strict=True):
-        row = (row[0], f"{row[1]}: {r.target.description}", *row[2:])
-        body.append("<tr>" + "".join(f"<td class='l'>{esc(c)}</td>" for c in row) + "</tr>")
-    note = f"<p class='note'>{esc(banner)}</p>" if banner else ""
-    return "<h2>Targets (make gpu-check)</h2>" + note + f"<table><tr>{head}</tr>" + "".join(body) + "</table>"
-
-
-def insert_into_report(html_path: Path, section: str) -> None:
-    """Put ``section`` after the report's heading line (or before ``</body>``)."""
-    page = html_path.read_text(encoding="utf-8")
-    anchor = page.find("<p class='meta'>")
-    end = page.find("</p>", anchor) if anchor >= 0 else -1
-    if end >= 0:
-        page = page[: end + 4] + "\n" + section + page[end + 4 :]
-    else:
-        page = page.replace("</body>", section + "</body>")
-    html_path.write_text(page, encoding="utf-8")
 
 
 def _print_tests(summary: dict[str, Any]) -> None:
@@ -638,13 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = jsonl.with_name(jsonl.stem + ".targets.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
-        html_path = jsonl.with_suffix(".html")
-        if jsonl.exists() and not html_path.exists():  # the child was killed before its report
+        if jsonl.exists():  # the report again, now with the targets (and written if the child was killed)
             from bench.report import write_report
 
             write_report(jsonl)
-        if html_path.exists():
-            insert_into_report(html_path, targets_html(results, banner))
         print(f"gpu-check: results {jsonl}\ngpu-check: targets -> {out}")
     else:
         print("gpu-check: no results file (the benchmark run did not start); targets not written")

@@ -5,7 +5,7 @@ derived columns are ratios of rows of the same run (speedup = baseline median / 
 being torch_eager or the suite's own, :data:`SUITE_BASELINES`; "% of matmul" = TFLOP/s / torch_matmul
 TFLOP/s). A missing implementation shows as a dash, never as an estimate. Sections whose rows count no
 FLOPs (MoE routing) chart GB/s; rows with a ``routing_share`` (MoE layer) get a column for it. A page
-of several runs (files loaded together to compare commits or GPUs) names each row's run in its tables,
+of several runs (results files concatenated to compare commits or GPUs) names each row's run in its tables,
 gives each run its own bars and summary lines, and compares rows only within their run.
 The page has no script, no external CSS or font, and the charts are SVG written here.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import math
 import statistics
 import sys
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.rows import read_rows
+from bench.targets import TABLE_COLUMNS, table_cells
 
 IMPL_ORDER = (
     "smptk",
@@ -576,8 +578,29 @@ _FOOTER = (
 )
 
 
-def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmarks") -> str:
-    """The full HTML page for ``rows`` (measurement, skipped and failed rows; others are ignored).
+def targets_html(summary: dict[str, Any]) -> str:
+    """The targets section of a report from ``make gpu-check``'s summary (``<stem>.targets.json``): its
+    banner (nothing measured), a re-judging note when there is one, and the table with each target's
+    description."""
+    head = "".join(f"<th class='l'>{_esc(c)}</th>" for c in TABLE_COLUMNS)
+    body = []
+    for target in summary.get("targets") or []:
+        cells = table_cells(target)
+        cells = (cells[0], f"{cells[1]}: {target.get('target')}", *cells[2:])
+        body.append("<tr>" + "".join(f"<td class='l'>{_esc(c)}</td>" for c in cells) + "</tr>")
+    notes = "".join(
+        f"<p class='{cls}'>{_esc(summary[key])}</p>"
+        for key, cls in (("banner", "note"), ("rejudged", "muted"))
+        if summary.get(key)
+    )
+    return f"<h2>Targets (make gpu-check)</h2>{notes}<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def render_html(
+    rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmarks", targets: dict[str, Any] | None = None
+) -> str:
+    """The full HTML page for ``rows`` (measurement, skipped and failed rows; others are ignored), with
+    ``targets`` (``make gpu-check``'s summary of the same run, :func:`targets_html`) under the heading.
 
     Example::
 
@@ -601,6 +624,7 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{_esc(title)}</h1><p class='meta'>{_esc(meta)}</p>",
+        targets_html(targets) if targets else "",
         *(f"<p class='note'>{_esc(n)}</p>" for n in notes),
     ]
     if not measured_all:
@@ -626,6 +650,9 @@ def render_html(rows: Sequence[dict[str, Any]], *, title: str = "smptk benchmark
 def write_report(jsonl_path: Path, html_path: Path | None = None) -> Path:
     """Render ``jsonl_path`` to ``html_path`` (default: same stem, ``.html``) and return that path.
 
+    A ``<stem>.targets.json`` beside the rows (``make gpu-check``'s targets of the same run) goes into the
+    page, so a rebuilt report keeps its targets table.
+
     Example::
 
         >>> write_report(Path("bench/results/cpu-interpreter/2026-11-22-e60bd426.jsonl"))
@@ -640,8 +667,25 @@ def write_report(jsonl_path: Path, html_path: Path | None = None) -> Path:
     if not html_path.parent.is_dir():
         raise ValueError(f"{html_path}: its directory {html_path.parent} does not exist")
     rows = [clean_row(r, f"{jsonl_path}: row {i}") for i, r in enumerate(read_rows(jsonl_path), start=1)]
-    html_path.write_text(render_html(rows, title=f"smptk benchmarks: {jsonl_path.stem}"), encoding="utf-8")
+    targets = _targets_of(jsonl_path, rows)
+    page = render_html(rows, title=f"smptk benchmarks: {jsonl_path.stem}", targets=targets)
+    html_path.write_text(page, encoding="utf-8")
     return html_path
+
+
+def _targets_of(jsonl_path: Path, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``<stem>.targets.json`` beside ``jsonl_path`` when it judged a run of these rows, else None."""
+    path = jsonl_path.with_name(jsonl_path.stem + ".targets.json")
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+    run = (summary.get("benchmarks") or {}).get("run_id")
+    return summary if run is None or run in {r.get("run_id") for r in rows} else None
 
 
 _NOT_FINITE_TEXT = frozenset({"nan", "inf", "+inf", "-inf", "infinity", "-infinity"})

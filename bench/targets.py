@@ -762,6 +762,31 @@ def evaluate(
     return [evaluate_one(t, rows, gpu_count) for t in targets]
 
 
+TABLE_COLUMNS = ("issue", "target", "measured", "baseline (same run)", "threshold", "status")
+
+
+def table_cells(target: dict[str, Any]) -> tuple[str, ...]:
+    """A judged target (:meth:`bench.targets.Result.as_dict`, as ``<stem>.targets.json`` stores it) as the
+    targets table's cells, in :data:`TABLE_COLUMNS` order: ``make gpu-check``'s table and the report's."""
+    value = target.get("value")
+    measured = (
+        "—"
+        if value is None
+        else f"{target.get('value_text')} ({target.get('case')}: {target.get('measured')})"
+    )
+    status = str(target.get("status"))
+    if status == "not measured":
+        status = f"not measured ({target.get('reason')})"
+    return (
+        str(target.get("issue")),
+        str(target.get("id")),
+        measured,
+        target.get("baseline") or "—",
+        str(target.get("threshold_text")),
+        status,
+    )
+
+
 def markdown_table(targets: Sequence[Target] = TARGETS) -> str:
     """The targets as the README lists them (a test keeps that list equal to this one).
 

@@ -420,6 +420,34 @@ def test_a_test_cut_off_by_the_budget_is_not_a_failure(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- end to end
+def test_a_rebuilt_report_keeps_its_targets(tmp_path: Path) -> None:
+    """``python -m bench.report`` on a ``make gpu-check`` results file keeps the targets table that
+    gpu-check put into the page (the committed H100 reports lost it when rebuilt), with the same cells as
+    the console table; a targets file of another run is left out."""
+    from bench.report import main as report_main
+
+    rows = [linear("smptk", 1.0e-3, tflops=850.0), linear("torch_eager", 1.2e-3)]
+    results = T.evaluate(rows, gpu_count=1)
+    summary = {"banner": "quick mode: nothing was measured", "benchmarks": {"run_id": "run-1"}}
+    summary["targets"] = [r.as_dict() for r in results]
+    jsonl = tmp_path / "run.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    jsonl.with_name("run.targets.json").write_text(json.dumps(summary))
+    assert report_main([str(jsonl)]) == 0
+    page = jsonl.with_suffix(".html").read_text()
+    section = page.split("<h2>Targets (make gpu-check)</h2>")[1].split("</table>")[0]
+    assert "quick mode: nothing was measured" in section
+    cells = gpu_check.table_rows(results)
+    assert cells[0][2] == "1.2x (fwd: smptk 1 ms)" and cells[0][-1] == "met"
+    assert (
+        section.count("<tr>") == 1 + len(T.TARGETS) and "<td class='l'>1.2x (fwd: smptk 1 ms)</td>" in section
+    )
+    summary["benchmarks"]["run_id"] = "run-0"
+    jsonl.with_name("run.targets.json").write_text(json.dumps(summary))
+    assert report_main([str(jsonl)]) == 0
+    assert "Targets (make gpu-check)" not in jsonl.with_suffix(".html").read_text()
+
+
 def test_gpu_check_end_to_end_quick(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SMPTK_BENCH_", "SMPTK_GPU_CHECK"))}
     env["PYTHONPATH"] = str(ROOT)
