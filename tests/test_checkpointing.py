@@ -316,6 +316,63 @@ def test_offloading_keeps_the_value_a_unit_saw_under_a_later_in_place_write() ->
         torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("where", ["after", "inside"])
+def test_offloading_checks_the_version_of_what_it_leaves_in_place(where: str) -> None:
+    """What the offloader does not move (a CPU tensor without ``offload_cpu``, as the config's offloading
+    runs on a CPU; parameters; empty tensors) it hands back as saved, and torch checks no version of what
+    saved-tensor hooks keep: an in-place write to a block's input after the block, or inside it, gave
+    gradients off by up to 2.2 (against the unchecked model's) without an error, where plain
+    checkpointing raises. The offloader raises the same error, naming the unit; a parameter given
+    positionally and written in place before backward raises too."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+    class WritesInput(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            if where == "inside":
+                h.mul_(2)
+            return self.inner(h)
+
+    def run(off: parallel.ActivationOffloader | None) -> None:
+        model = _model()
+        model.blocks = nn.ModuleList([WritesInput(b) for b in model.blocks])
+        apply_activation_checkpointing(model, mode="full", offloader=off)
+        h = model.inp(x)
+        y = model.blocks[0](h)
+        if where == "after":
+            h.mul_(3)
+        model.blocks[1](y).square().sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(None)
+    cfg = ParallelConfig(activation_checkpointing="full", sm_activation_offloading=True)
+    off = parallel.ActivationOffloader(cfg.activation_loading_horizon)  # what the config builds
+    unit = 0 if where == "after" else 1  # inside: both blocks write, and backward reaches block 1 first
+    with pytest.raises(
+        RuntimeError, match=rf"modified by an inplace operation: .*input of unit {unit} \(\[5, 6\]"
+    ):
+        run(off)
+    assert off.log.maxlen and not off.log, "CPU tensors stay where they are"
+
+    model = _model(1)
+    scale = nn.Parameter(torch.full((6,), 1.5))
+    block = model.blocks[0]
+    model.blocks[0].forward = lambda h, s: Block.forward(block, h) * s
+    apply_activation_checkpointing(
+        model, mode="full", offloader=parallel.ActivationOffloader(2, offload_cpu=True)
+    )
+    y = model.blocks[0](model.inp(x), scale)
+    with torch.no_grad():
+        scale.add_(1.0)  # an optimizer step between forward and backward
+    with pytest.raises(
+        RuntimeError, match=r"input of unit 0 \(\[6\], torch.float32, on cpu, not offloaded\)"
+    ):
+        y.sum().backward()
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -37,7 +37,8 @@ units' inputs are on the GPU at once and the copies overlap the backward of the 
 inputs are caught as torch's checkpoint saves them (a saved-tensor hook around each unit's forward,
 outside the checkpoint's own): its positional tensor arguments, so the recompute and everything it saves
 inside the unit are untouched, and keyword arguments stay on the device (see :class:`ActivationOffloader`).
-CPU tensors stay where they are (there is nowhere to offload to).
+CPU tensors stay where they are (there is nowhere to offload to); an in-place write to one before backward
+raises there, as without offloading.
 
 Apply it before :func:`~smptk.parallel.apply_data_parallel` (as torchtitan applies AC before FSDP): FSDP2
 gathers a unit's parameters again for its recompute.
@@ -173,6 +174,16 @@ class _Offloaded:
     used: bool = False  # backward has read it: no prefetch brings it back again
 
 
+@dataclasses.dataclass(eq=False)
+class _Kept:
+    """A saved tensor that stays where it is, and its version when saved: torch checks no version of what
+    saved-tensor hooks keep, so the offloader does (see :meth:`ActivationOffloader._unpack`)."""
+
+    unit: int
+    tensor: torch.Tensor
+    version: int
+
+
 LOG_ENTRIES = 4096  # events ActivationOffloader.log keeps (two per unit and step: 20+ steps of 100 units)
 
 
@@ -195,7 +206,11 @@ class ActivationOffloader:
     (leaves that require grad: they stay on the device anyway) and empty or expanded tensors. Each input
     is copied on its own, so two inputs that share memory come back as separate tensors: a unit whose
     forward writes in place to one of them raises (its recompute would not see the write through the
-    other, and its gradients would be wrong); plain checkpointing raises there too, in backward.
+    other, and its gradients would be wrong); plain checkpointing raises there too, in backward. An
+    offloaded input keeps the value the unit saw under a later in-place write; an input left where it is
+    (CPU tensors without ``offload_cpu``, parameters, empty tensors) and written in place before backward
+    raises in backward, as plain checkpointing does (torch checks no version of what saved-tensor hooks
+    keep, so the offloader does).
 
     Args:
         horizon: unit forwards whose inputs may be on the device at once in backward, >= 1 (the
@@ -254,8 +269,10 @@ class ActivationOffloader:
         small = t.untyped_storage().nbytes() < t.numel() * t.element_size()  # expanded: e.g. a stand-in
         stays = (t.is_leaf and t.requires_grad) or t.device.type == "meta"
         if t.numel() == 0 or small or stays or (t.device.type == "cpu" and not self.offload_cpu):
-            seen.append((t, _version(t), False))
-            return t  # nothing to move (torch 2.11's checkpoint also saves an empty placeholder tensor)
+            version = _version(t)
+            seen.append((t, version, False))
+            # nothing to move (torch 2.11's checkpoint also saves an empty placeholder tensor)
+            return t if version is None else _Kept(unit, t, version)
         if t.device.type == "cuda":
             store, _ = self._side_streams(t.device)
             store.wait_stream(torch.cuda.current_stream(t.device))
@@ -288,6 +305,17 @@ class ActivationOffloader:
         away.loaded = load.record_event()
 
     def _unpack(self, away):
+        if isinstance(away, _Kept):
+            t = away.tensor
+            if _version(t) != away.version:  # what torch reports for a saved tensor without hooks
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: activation offloading: an input of unit {away.unit} "
+                    f"({list(t.shape)}, {t.dtype}, on {t.device}, not offloaded) is at version "
+                    f"{_version(t)}; expected version {away.version}. Its recompute would read the written "
+                    "value and the gradients would be wrong."
+                )
+            return t
         if not isinstance(away, _Offloaded):
             return away
         self._load(away, "on demand")
