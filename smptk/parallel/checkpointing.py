@@ -168,6 +168,7 @@ class _Offloaded:
     entry: int  # which unit forward saved it: the offloader's count of unit forwards, in call order
     host: torch.Tensor
     device: torch.device
+    stride: tuple  # the strides it comes back with: the saved tensor's own (see _layout)
     stored: object = None  # CUDA event: the device-to-host copy is done
     back: torch.Tensor | None = None  # the device copy, once loading started
     loaded: object = None  # CUDA event: the host-to-device copy is done
@@ -210,7 +211,8 @@ class ActivationOffloader:
     offloaded input keeps the value the unit saw under a later in-place write; an input left where it is
     (CPU tensors without ``offload_cpu``, parameters, empty tensors) and written in place before backward
     raises in backward, as plain checkpointing does (torch checks no version of what saved-tensor hooks
-    keep, so the offloader does).
+    keep, so the offloader does). An offloaded input comes back with its strides (see :func:`_layout`),
+    so the recompute sees the layout the forward saw.
 
     Args:
         horizon: unit forwards whose inputs may be on the device at once in backward, >= 1 (the
@@ -273,17 +275,19 @@ class ActivationOffloader:
             seen.append((t, version, False))
             # nothing to move (torch 2.11's checkpoint also saves an empty placeholder tensor)
             return t if version is None else _Kept(unit, t, version)
+        host_stride, stride = _layout(t)
         if t.device.type == "cuda":
             store, _ = self._side_streams(t.device)
             store.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(store):
-                host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+                host = torch.empty_strided(t.size(), host_stride, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
             t.record_stream(store)  # its memory is not reused before the copy has read it
-            away = _Offloaded(unit, entry, host, t.device, stored=store.record_event())
+            away = _Offloaded(unit, entry, host, t.device, stride, stored=store.record_event())
         else:  # CPU (offload_cpu: a copy), or another accelerator: to CPU memory, synchronously
-            host = t.detach().clone() if t.device.type == "cpu" else t.detach().to("cpu")
-            away = _Offloaded(unit, entry, host, t.device)
+            host = torch.empty_strided(t.size(), host_stride, dtype=t.dtype)
+            host.copy_(t.detach())
+            away = _Offloaded(unit, entry, host, t.device, stride)
         seen.append((t, _version(t), True))
         self._away.setdefault(entry, []).append(weakref.ref(away))
         self.log.append(("store", unit))
@@ -293,15 +297,18 @@ class ActivationOffloader:
         if away.back is not None or (away.used and how == "prefetch"):
             return
         self.log.append(("load", away.unit, how))
+        host = away.host
         if away.device.type != "cuda":
-            away.back = away.host.clone() if away.device.type == "cpu" else away.host.to(away.device)
+            away.back = torch.empty_strided(host.size(), away.stride, dtype=host.dtype, device=away.device)
+            away.back.copy_(host)
             return
         _, load = self._side_streams(away.device)
         if how == "on demand":
             load = torch.cuda.current_stream(away.device)
         load.wait_event(away.stored)
         with torch.cuda.stream(load):
-            away.back = away.host.to(away.device, non_blocking=True)
+            away.back = torch.empty_strided(host.size(), away.stride, dtype=host.dtype, device=away.device)
+            away.back.copy_(host, non_blocking=True)
         away.loaded = load.record_event()
 
     def _unpack(self, away):
@@ -422,6 +429,25 @@ class ActivationOffloader:
         # counter, a guard, recompiled it every forward until Dynamo's cache limit sent it back to eager.
         unit.register_forward_pre_hook(torch.compiler.disable(enter), prepend=True, with_kwargs=True)
         unit.register_forward_hook(torch.compiler.disable(leave), always_call=True)
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple, tuple]:
+    """The strides of ``t``'s host copy and of the device copy it comes back as.
+
+    The host copy is dense, its dimensions in ``t``'s memory order (``empty_like``'s ``preserve_format``:
+    a transposed or channels-last tensor keeps its strides, a view with gaps is packed). The device copy
+    takes ``t``'s own strides, so the recompute runs its ops on the layout the forward saw (a reduction over
+    a packed copy of a strided view rounds differently, and a layout-dependent op such as ``contiguous()``
+    dispatches differently): a view with gaps comes back in memory spanning its strides, at most the
+    storage it viewed. Where ``t``'s elements overlap (an expanded tensor), it comes back dense."""
+    host_stride = torch.empty_like(t, device="meta").stride()
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    reach = 1  # elements an index step must clear not to land on an earlier dimension's elements
+    for st, n in dims:
+        if st < reach:
+            return host_stride, host_stride
+        reach = st * n
+    return host_stride, t.stride()
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
