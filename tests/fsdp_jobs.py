@@ -141,14 +141,16 @@ CASES = (
     ("tp2_fsdp", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 0, "mixed_precision": "fp32"}, KEEP),
     ("tp2_replicate", {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1, "mixed_precision": "fp32"}, {}),
     ("full_shard_bf16", {"hybrid_shard_degree": 0, "mixed_precision": "bf16"}, KEEP),
-    # built on the meta device, blocks checkpointed (full recompute), sharded, materialized, then given the
-    # reference's initial values from rank 0 (see DELAYED)
+    # built on the meta device, blocks checkpointed (full recompute) with their inputs offloaded, sharded,
+    # materialized, then given the reference's initial values from rank 0 (see DELAYED)
     (
         "delayed_init_ac",
         {
             "hybrid_shard_degree": 0,
             "mixed_precision": "fp32",
             "activation_checkpointing": "full",
+            "sm_activation_offloading": True,
+            "activation_loading_horizon": 1,
             "delayed_parameter_initialization": True,
         },
         {"use_smptk_collectives": False},
@@ -182,8 +184,12 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
                 model = build_model()
         else:
             model = build_model()
+        offloader = None
         if name in DELAYED:
-            checkpointed = parallel.apply_activation_checkpointing(model, state)
+            # the config's offloading, its host copies made on the CPU too (offload_cpu), under FSDP2
+            horizon = state.config.activation_loading_horizon
+            offloader = parallel.ActivationOffloader(horizon, offload_cpu=True)
+            checkpointed = parallel.apply_activation_checkpointing(model, state, offloader=offloader)
             assert checkpointed == ["blocks.0", "blocks.1"], checkpointed
         if state.sizes["tp"] > 1:
             from torch.distributed.tensor.parallel import parallelize_module
@@ -217,6 +223,7 @@ def run(rank: int, world: int, case_names: tuple[str, ...] | None = None) -> dic
         out[name] = {
             "diff": {n: (params[n] - ref[n]).abs().max().item() for n in ref},
             "init_diff": init_diff,
+            "offload_log": list(offloader.log) if offloader is not None else None,
             "clip": clip,
             "params": params,
             "losses": losses,

@@ -127,6 +127,16 @@ def test_delayed_init_names_an_unwritten_parameter_on_every_rank(job) -> None:
         assert message is not None and "gave 1.lora_a values" in message, (rank, message)
 
 
+def test_offloading_under_fsdp2_stores_and_loads_each_block_input_once(job) -> None:
+    """delayed_init_ac offloads its checkpointed blocks' inputs (the config's sm_activation_offloading at
+    horizon 1, the host copies made on the CPU too) under FSDP2: each step stores both blocks' inputs in
+    forward order and backward loads each on demand, none ahead, while the parameters end within FP32_TOL
+    of the single process (test_fp32_steps_equal_single_process)."""
+    step = [("store", 0), ("store", 1), ("load", 1, "on demand"), ("load", 0, "on demand")]
+    for rank, run in enumerate(_case(job, "delayed_init_ac")):
+        assert run["offload_log"] == step * 3, (rank, run["offload_log"])
+
+
 def test_smptk_and_torch_collectives_give_the_same_parameters(job) -> None:
     for rank in range(4):
         a, b = job[rank]["full_shard_smptk"]["params"], job[rank]["full_shard_torch"]["params"]
