@@ -601,6 +601,37 @@ def world1(tmp_path):
         dist.destroy_process_group()
 
 
+def test_offloading_moves_a_dtensor_inputs_local_shard(world1) -> None:
+    """A block given a DTensor positionally (torch's sequence-parallel styles hand blocks DTensors): the
+    offloader copies its local shard to a plain host tensor (the CUDA path pins one: copying a DTensor
+    into it raised "got mixed torch.Tensor and DTensor"; the CPU path kept a DTensor "host copy") and
+    rebuilds the DTensor around the shard on the way back. Gradients equal plain checkpointing's."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    class Elementwise(nn.Module):  # DTensor ops all through (a block's plain parameters would mix types)
+        def forward(self, x):
+            return x * x.sin() + x.cos()
+
+    def run(off: parallel.ActivationOffloader | None) -> tuple[torch.Tensor, list]:
+        blocks = nn.Sequential(Elementwise(), Elementwise())
+        apply_activation_checkpointing(blocks, mode="full", modules=["0", "1"], offloader=off)
+        x = distribute_tensor(torch.randn(5, 6, generator=torch.Generator().manual_seed(1)), mesh, [Shard(0)])
+        x.requires_grad_()
+        y = blocks(x * 1.0)
+        hosts = [] if off is None else [r().host for refs in off._away.values() for r in refs]
+        y.to_local().square().sum().backward()
+        return x.grad.to_local(), hosts
+
+    want, _ = run(None)
+    off = parallel.ActivationOffloader(2, offload_cpu=True)
+    got, hosts = run(off)
+    assert len(hosts) == 2 and all(type(t) is torch.Tensor for t in hosts), [type(t) for t in hosts]
+    assert [e[0] for e in off.log] == ["store", "store", "load", "load"], off.log
+    assert torch.equal(got, want)
+
+
 class DropoutBlock(nn.Module):
     """torch's dropouts (nn.Dropout, F.dropout, attention dropout inside SDPA) and one inside the state's
     ``fork_rng("tp")`` region (a sequence-parallel activation's), each mask recorded."""

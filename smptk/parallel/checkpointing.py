@@ -169,6 +169,7 @@ class _Offloaded:
     host: torch.Tensor
     device: torch.device
     stride: tuple  # the strides it comes back with: the saved tensor's own (see _layout)
+    dtensor: tuple | None = None  # a DTensor's mesh, placements, shape and stride: rebuilt around its shard
     stored: object = None  # CUDA event: the device-to-host copy is done
     back: torch.Tensor | None = None  # the device copy, once loading started
     loaded: object = None  # CUDA event: the host-to-device copy is done
@@ -212,7 +213,8 @@ class ActivationOffloader:
     (CPU tensors without ``offload_cpu``, parameters, empty tensors) and written in place before backward
     raises in backward, as plain checkpointing does (torch checks no version of what saved-tensor hooks
     keep, so the offloader does). An offloaded input comes back with its strides (see :func:`_layout`),
-    so the recompute sees the layout the forward saw.
+    so the recompute sees the layout the forward saw; a DTensor's local shard moves, and the DTensor is
+    rebuilt around it on the way back.
 
     Args:
         horizon: unit forwards whose inputs may be on the device at once in backward, >= 1 (the
@@ -268,26 +270,31 @@ class ActivationOffloader:
         return self._streams[device]
 
     def _pack(self, unit: int, entry: int, seen: list, t: torch.Tensor):
-        small = t.untyped_storage().nbytes() < t.numel() * t.element_size()  # expanded: e.g. a stand-in
+        from torch.distributed.tensor import DTensor
+
+        local, dtensor = t, None
+        if isinstance(t, DTensor):  # its local shard moves (a pinned copy is a plain tensor)
+            local, dtensor = t._local_tensor, (t.device_mesh, t.placements, t.shape, t.stride())
+        small = local.untyped_storage().nbytes() < local.numel() * local.element_size()  # expanded
         stays = (t.is_leaf and t.requires_grad) or t.device.type == "meta"
         if t.numel() == 0 or small or stays or (t.device.type == "cpu" and not self.offload_cpu):
             version = _version(t)
             seen.append((t, version, False))
             # nothing to move (torch 2.11's checkpoint also saves an empty placeholder tensor)
             return t if version is None else _Kept(unit, t, version)
-        host_stride, stride = _layout(t)
-        if t.device.type == "cuda":
-            store, _ = self._side_streams(t.device)
-            store.wait_stream(torch.cuda.current_stream(t.device))
+        host_stride, stride = _layout(local)
+        if local.device.type == "cuda":
+            store, _ = self._side_streams(local.device)
+            store.wait_stream(torch.cuda.current_stream(local.device))
             with torch.cuda.stream(store):
-                host = torch.empty_strided(t.size(), host_stride, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-            t.record_stream(store)  # its memory is not reused before the copy has read it
-            away = _Offloaded(unit, entry, host, t.device, stride, stored=store.record_event())
+                host = torch.empty_strided(local.size(), host_stride, dtype=local.dtype, pin_memory=True)
+                host.copy_(local, non_blocking=True)
+            local.record_stream(store)  # its memory is not reused before the copy has read it
+            away = _Offloaded(unit, entry, host, local.device, stride, dtensor, stored=store.record_event())
         else:  # CPU (offload_cpu: a copy), or another accelerator: to CPU memory, synchronously
-            host = torch.empty_strided(t.size(), host_stride, dtype=t.dtype)
-            host.copy_(t.detach())
-            away = _Offloaded(unit, entry, host, t.device, stride)
+            host = torch.empty_strided(local.size(), host_stride, dtype=local.dtype)
+            host.copy_(local.detach())
+            away = _Offloaded(unit, entry, host, local.device, stride, dtensor)
         seen.append((t, _version(t), True))
         self._away.setdefault(entry, []).append(weakref.ref(away))
         self.log.append(("store", unit))
@@ -337,6 +344,11 @@ class ActivationOffloader:
             current = torch.cuda.current_stream(away.device)
             current.wait_event(away.loaded)
             t.record_stream(current)
+        if away.dtensor is not None:
+            from torch.distributed.tensor import DTensor
+
+            mesh, placements, shape, stride = away.dtensor
+            t = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
         away.back = away.loaded = None  # the device copy lives as long as backward needs it, no longer
         away.used = True
         ours = self._away.get(away.entry)
