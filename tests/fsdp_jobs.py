@@ -291,9 +291,11 @@ def inference_first() -> dict[str, str | None]:
 
 
 def clip_edges(rank: int, world: int) -> dict:
-    """smptk.parallel.clip_grad_norm_'s infinity norm where a max over the ranks' pieces is not enough: a
-    Partial (sum) gradient whose sum's largest entry, 1.0 * world, is larger than every rank's piece
-    (2.0 on rank 0), and a NaN in the last rank's shard (a max all-reduce dropped it by rank order)."""
+    """smptk.parallel.clip_grad_norm_'s infinity norms where a max or min over the ranks' pieces is not
+    enough: a Partial (sum) gradient whose sum's largest entry, 1.0 * world, is larger than every rank's
+    piece (2.0 on rank 0), a NaN in the last rank's shard (a max or min all-reduce drops it by rank order;
+    ``nonfinite_raised``: whether error_if_nonfinite raised at -inf), and a one-element gradient that
+    leaves every shard but rank 0's empty (torch's -inf norm refuses an empty tensor)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -307,10 +309,21 @@ def clip_edges(rank: int, world: int) -> dict:
     sharded = nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Shard(0)]))
     bad = torch.tensor([math.nan, 1.0]) if rank == world - 1 else torch.tensor([2.0, 1.0])
     sharded.grad = DTensor.from_local(bad, mesh, [Shard(0)])
+    try:
+        parallel.clip_grad_norm_([sharded], 1e9, norm_type=-math.inf, error_if_nonfinite=True)
+        nonfinite_raised = False
+    except RuntimeError:
+        nonfinite_raised = True
+    one = torch.tensor([-0.75]) if rank == 0 else torch.zeros(0)
+    small = nn.Parameter(DTensor.from_local(torch.zeros(len(one)), mesh, [Shard(0)], shape=(1,), stride=(1,)))
+    small.grad = DTensor.from_local(one, mesh, [Shard(0)], shape=(1,), stride=(1,))
     return {
         "partial_inf": parallel.clip_grad_norm_([partial, plain], 1e9, norm_type=math.inf).item(),
         "nan_inf": parallel.clip_grad_norm_([sharded], 1e9, norm_type=math.inf).item(),
         "neg_inf": parallel.clip_grad_norm_([partial, plain], 1e9, norm_type=-math.inf).item(),
+        "nan_neg_inf": parallel.clip_grad_norm_([sharded], 1e9, norm_type=-math.inf).item(),
+        "nonfinite_raised": nonfinite_raised,
+        "empty_neg_inf": parallel.clip_grad_norm_([small], 1e9, norm_type=-math.inf).item(),
     }
 
 

@@ -81,12 +81,17 @@ def test_fp32_steps_equal_single_process(job, name: str) -> None:
 def test_clip_infinity_norms_of_partial_and_nan_gradients(job) -> None:
     """The infinity norm of a Partial (sum) gradient is its sum's largest entry (4.0 on 4 ranks; it was the
     largest piece, 2.0), a NaN in the last rank's shard makes every rank's norm NaN (the max all-reduce
-    dropped it: 2.0), and -inf takes the smallest over the groups (0.25; it took the largest, 1.0)."""
+    dropped it: 2.0), and -inf takes the smallest over the groups (0.25; it took the largest, 1.0). At -inf
+    the same NaN makes the norm NaN and error_if_nonfinite raise on every rank (the norm was 1.0 and no rank
+    raised), and a one-element gradient whose shard is empty on ranks 1-3 gives 0.75 on every rank (those
+    ranks raised torch's 'cannot compute the -inf norm on an empty tensor' while rank 0 waited)."""
     for rank in range(4):
         edges = job[rank]["clip_edges"]
         assert edges["partial_inf"] == 4.0, (rank, edges)
         assert math.isnan(edges["nan_inf"]), (rank, edges)
         assert edges["neg_inf"] == 0.25, (rank, edges)
+        assert math.isnan(edges["nan_neg_inf"]) and edges["nonfinite_raised"], (rank, edges)
+        assert edges["empty_neg_inf"] == 0.75, (rank, edges)
 
 
 def test_first_forward_under_inference_mode_then_training(job) -> None:

@@ -90,8 +90,8 @@ def clip_grad_norm_(
         groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     norms = []
     for mesh, group in groups.items():
-        if norm_type == math.inf:  # torch's inf norm fails on an empty shard (a small tensor on many ranks)
-            norms.append(_inf_norm(mesh, group).to(dtype))
+        if math.isinf(norm_type):  # torch's fails on an empty shard (a small tensor on many ranks)
+            norms.append(_extreme_norm(mesh, group, largest=norm_type > 0).to(dtype))
             continue
         norm = torch.nn.utils.get_total_norm(group, norm_type, False, foreach)  # no copies of the gradients
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(dtype))
@@ -120,27 +120,35 @@ def clip_grad_norm_(
     return total
 
 
-def _inf_norm(mesh, grads: list[torch.Tensor]) -> torch.Tensor:
-    """The largest absolute value of ``grads`` (one mesh's DTensors, or plain tensors for ``mesh`` None),
-    fp32, the same on every rank: each rank's largest over its non-empty shards (0 without one), then the
-    largest over the mesh. torch's ``_foreach_norm`` refuses the infinity norm of an empty tensor, which
-    FSDP2 gives a rank whose shard of a small parameter is empty.
+def _extreme_norm(mesh, grads: list[torch.Tensor], largest: bool) -> torch.Tensor:
+    """The largest (``largest``, the inf norm) or smallest (the -inf norm) absolute value of ``grads`` (one
+    mesh's DTensors, or plain tensors for ``mesh`` None), fp32, the same on every rank: each rank's over its
+    non-empty shards (without one: 0 for the largest, inf for the smallest), then over the mesh. torch's
+    ``_foreach_norm`` refuses either norm of an empty tensor, which FSDP2 gives a rank whose shard of a small
+    parameter is empty (that rank would raise while the others wait in the all-reduce).
 
     A partial gradient (a replicated weight over sequence-parallel activations, before any data-parallel
-    reduction) is summed first: its pieces' largest value is not its sum's. A NaN travels as a flag
-    beside the value (a max all-reduce keeps or drops a NaN operand by rank order: gloo dropped rank 1's)."""
+    reduction) is summed first: its pieces' extreme value is not its sum's. A NaN travels as a flag beside
+    the value: a max or min all-reduce keeps or drops a NaN operand by rank order (gloo drops rank 1's), so
+    the ranks would disagree on the norm and on whether ``error_if_nonfinite`` raises."""
     local = []
     for g in grads:
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
             g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
         local.append(g.to_local() if isinstance(g, DTensor) else g)
-    values = [t.detach().abs().max().float() for t in local if t.numel()]
-    m = torch.stack(values).max() if values else torch.zeros((), dtype=torch.float32, device=local[0].device)
+    values = [
+        (t.detach().abs().amax() if largest else t.detach().abs().amin()).float() for t in local if t.numel()
+    ]
+    if values:
+        m = torch.stack(values).amax() if largest else torch.stack(values).amin()
+    else:
+        m = torch.full((), 0.0 if largest else math.inf, dtype=torch.float32, device=local[0].device)
     if mesh is None:
         return m
-    flagged = torch.stack([torch.where(m.isnan(), 0.0, m), m.isnan().float()])
+    sign = 1.0 if largest else -1.0  # the smallest is minus the largest of the negated values
+    flagged = torch.stack([torch.where(m.isnan(), -math.inf, sign * m), m.isnan().float()])
     m, nan = DTensor.from_local(flagged, mesh, [Partial("max")] * mesh.ndim).full_tensor().unbind()
-    return torch.where(nan > 0, torch.full_like(m, math.nan), m)
+    return torch.where(nan > 0, torch.full_like(m, math.nan), sign * m)
 
 
 __all__ = ["clip_grad_norm_"]
