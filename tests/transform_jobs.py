@@ -31,6 +31,11 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - (4 ranks) ``tp2_dp2_sp_llama``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing;
   ``tp2_ep2_mixtral``: TP 2 x EP 2 (ep carved from the data-parallel ranks), the MoE whole on both ranks
   of each tp group. The two ranks of a tp group feed one batch.
+- (4 ranks) ``ep2_dp4_mixtral``: EP 2 with the experts FSDP-sharded over edp_shard 2;
+  ``hsdp2x2_ep2_mixtral``: HSDP (dp_replicate 2 x dp_shard 2), experts over ep 2 and replicated over
+  dp_replicate. Each rank feeds its own batch.
+- Every training case checks ``clip_grad_norm_``'s 1-, 3- and inf-norms against torch's on the plain
+  model, then clips at ``CLIP_NORM`` (2-norm) and compares the total and the step.
 - ``tp2_tied_qwen3``, ``tp2_sp_tied_llama``, ``meta_tp2_tied_qwen3`` and (4 ranks)
   ``tp2_dp2_sp_tied_qwen3``: tied embeddings (``tie_word_embeddings``): the head's weight stays the
   embedding's parameter after transform, Hugging Face's ``tie_weights()``, FSDP2, ``materialize``,
@@ -196,6 +201,12 @@ def _train(
             _close(problems, f"tied weight gradient step {step}", grad, ref.model.embed_tokens.weight.grad)
         # Clipping over every mesh the parameters live on (tp, dp, ep; torch's own refuses the mix): the
         # same total norm and, at a max_norm below it, the same clipped step as torch's on the plain model.
+        ref_grads = [q.grad for q in ref.parameters() if q.grad is not None]
+        for order in (1.0, 3.0, math.inf):  # the other norms, nothing clipped (max_norm inf); a generator
+            got = sp.clip_grad_norm_(iter(module.parameters()), math.inf, order)
+            _close(
+                problems, f"{order}-norm step {step}", got, torch.nn.utils.get_total_norm(ref_grads, order)
+            )
         norm = sp.clip_grad_norm_(module.parameters(), CLIP_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP_NORM)
         _close(problems, f"gradient norm step {step}", norm, ref_norm)
@@ -517,8 +528,12 @@ CASES_4 = {
     "tp2_dp2_sp_tied_qwen3": lambda p: _train(
         p, "qwen3", {"tensor_parallel_degree": 2}, batches=2, sp_=True, tie_word_embeddings=True
     ),
+    "ep2_dp4_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}),
+    "hsdp2x2_ep2_mixtral": lambda p: _train(
+        p, "mixtral", {"expert_parallel_degree": 2, "hybrid_shard_degree": 2}
+    ),
 }
-MOE_CASES_4 = ("tp2_ep2_mixtral",)
+MOE_CASES_4 = ("tp2_ep2_mixtral", "ep2_dp4_mixtral", "hsdp2x2_ep2_mixtral")
 
 
 def run(rank: int, world: int, only: tuple[str, ...] | None = None) -> dict[str, str | None]:
