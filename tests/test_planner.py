@@ -746,6 +746,24 @@ def test_a_global_batch_above_the_limit_is_refused_up_front() -> None:
     assert advise("llama3.1-8b", "p5", nodes=4, seq_len=4096, global_batch_tokens=4 * 2**20).candidates
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "choices"),
+    [
+        ("optimizer", "lion", "adamw, adam, sgd, sgd_momentum"),
+        ("attention", "sdpa", "flash, materialized"),
+        ("loss", "mean", "vocab_parallel, gathered"),
+    ],
+)
+def test_advise_refuses_an_unknown_choice_up_front(key, value, choices) -> None:
+    """The search skips every configuration estimate_memory refuses (a degree the model does not divide):
+    an unknown optimizer or attention made it skip them all, and advise answered "nothing fits" with no
+    suggestion instead of naming the argument."""
+    with pytest.raises(ValueError, match=f"{key}: expected one of {choices}, got '{value}'"):
+        advise("llama2-7b", "p5", seq_len=4096, **{key: value})
+    with pytest.raises(ValueError, match=f"{key}: expected one of {choices}, got '{value}'"):
+        estimate_memory("llama2-7b", {}, seq_len=4096, cluster="p5", **{key: value})
+
+
 def test_moe_blocks_are_not_split_over_tp_in_the_step_time() -> None:
     """smptk keeps MoE blocks whole on every tp rank: their FLOPs are not divided by tp (mixtral's compute at
     tp 2 was half of tp 1's, though 88% of its active parameters are routed experts)."""

@@ -64,8 +64,8 @@ from smptk.parallel.config import ParallelConfig
 from smptk.parallel.planner.clusters import CLUSTERS, Cluster
 from smptk.parallel.planner.clusters import cluster as _cluster
 from smptk.parallel.planner.estimate import (
-    LOSSES,
     MemoryEstimate,
+    check_choices,
     estimate_memory,
     heap_bytes_in_force,
     tp_problem,
@@ -387,8 +387,7 @@ def advise(
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
     spec.check_seq_len(seq_len)
-    if loss not in LOSSES:
-        raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
+    check_choices(optimizer, attention, loss)  # up front too: the search skips what estimate refuses
     heap_bytes = heap_bytes_in_force(heap_bytes)  # checked up front: the search skips what estimate refuses
     if global_batch_tokens is not None and (
         isinstance(global_batch_tokens, bool)

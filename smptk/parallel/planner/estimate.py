@@ -327,10 +327,7 @@ def estimate_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}: expected an int >= 1, got {value!r}")
     spec.check_seq_len(seq_len)
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention: expected one of {', '.join(ATTENTION)}, got {attention!r}")
+    check_choices(optimizer, attention, loss)
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected True, False or None, got {sequence_parallel!r}")
     if sequence_parallel and spec.is_moe:
@@ -338,8 +335,6 @@ def estimate_memory(
             f"sequence_parallel: {spec.name} has MoE layers, which smptk runs without sequence parallelism "
             "(transform refuses it); pass sequence_parallel=False or None"
         )
-    if loss not in LOSSES:
-        raise ValueError(f"loss: expected one of {', '.join(LOSSES)}, got {loss!r}")
     heap_bytes = heap_bytes_in_force(heap_bytes)
     t = sizes["tp"]
     sp = (not spec.is_moe if sequence_parallel is None else sequence_parallel) and t > 1
@@ -363,6 +358,18 @@ def estimate_memory(
         spec, cfg, world_size, dict(sizes), seq_len, micro_batch, optimizer, attention, sp, engine,
         tuple(terms), host, cl,
     )  # fmt: skip
+
+
+def check_choices(optimizer: str, attention: str, loss: str) -> None:
+    """``ValueError`` naming the argument when ``optimizer``, ``attention`` or ``loss`` is none of the
+    choices (:data:`OPTIMIZER_STATE_BYTES`, :data:`ATTENTION`, :data:`LOSSES`)."""
+    for key, value, choices in (
+        ("optimizer", optimizer, OPTIMIZER_STATE_BYTES),
+        ("attention", attention, ATTENTION),
+        ("loss", loss, LOSSES),
+    ):
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
 
 
 def heap_bytes_in_force(heap_bytes: int | None = None) -> int:
