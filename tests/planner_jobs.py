@@ -214,11 +214,22 @@ def kernels(path: str | None):
             os.environ["SMPTK_KERNELS"] = old
 
 
-def run_case(spec_name, config, attention, sp, what, *, step_kernels=None, measure_kernels=None) -> dict:
+def run_case(
+    spec_name,
+    config,
+    attention,
+    sp,
+    what,
+    *,
+    step_kernels=None,
+    measure_kernels=None,
+    smptk_collectives=False,
+) -> dict:
     """Build, parallelize and step one case on this rank; its measurements (see the module docstring).
 
     ``step_kernels`` / ``measure_kernels``: ``SMPTK_KERNELS`` for the training step and for the measured
-    forward (None: as the environment says).
+    forward (None: as the environment says). ``smptk_collectives``: FSDP2 takes smptk's collectives where
+    they apply (``apply_data_parallel``'s "auto"), else torch.distributed's.
     """
     import smptk.parallel as parallel
     from smptk.testing.transformer import Transformer, loss, parallelize
@@ -238,7 +249,8 @@ def run_case(spec_name, config, attention, sp, what, *, step_kernels=None, measu
         if state.sizes["ep"] > 1:
             parallel.apply_expert_parallel(model, state)
         if state.sizes["dp"] > 1:
-            model, _ = parallel.apply_data_parallel(model, state, use_smptk_collectives=False)
+            smptk = "auto" if smptk_collectives else False
+            model, _ = parallel.apply_data_parallel(model, state, use_smptk_collectives=smptk)
         x, y = batch(spec)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with kernels(step_kernels):
@@ -260,3 +272,32 @@ def run(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single", category=FutureWarning)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return {name: run_case(*case) for name, case in CASES[world].items()}
+
+
+# Symmetric heaps: a training step with smptk's collectives (tensor-parallel layers, FSDP2's all-gather and
+# reduce-scatter, the MoE all-to-all) under TRITON_INTERPRET=1, where they take the heap's CPU backend.
+# With ep 2 on 2 ranks dp_shard and ep are both the world group: one heap, not two.
+HEAP_CASES = {
+    "tp2": _case("dense", "states", sp=True, tensor_parallel_degree=2),
+    "fsdp2": _case("dense", "states", hybrid_shard_degree=0),
+    "ep2": _case("moe", "states", expert_parallel_degree=2),
+}
+
+
+def heaps(rank: int, world: int) -> dict:
+    """Per case of ``HEAP_CASES``: the bytes of the symmetric-heap segments this rank allocated in one step
+    (``smptk.comm.heaps()``: the segments' own sizes) and the groups' ranks."""
+    from smptk import comm
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single", category=FutureWarning)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    out = {}
+    for name, case in HEAP_CASES.items():
+        try:
+            run_case(*case, smptk_collectives=True)
+            live = comm.heaps()
+            out[name] = {"bytes": sum(h["segment_bytes"] for h in live), "ranks": [h["ranks"] for h in live]}
+        finally:
+            comm.reset()
+    return out

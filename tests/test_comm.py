@@ -525,6 +525,12 @@ def test_heaps_are_reported_in_process(world1) -> None:
     assert "symmetric heaps (this process): 1," in format_info(env)
     comm.reset()
     assert comm.heaps() == []
+    # segment_bytes is what the rank allocated: whole 4 KiB pages (4112 bytes of data take 8192)
+    comm.configure(heap_bytes=4112)
+    comm.all_reduce(torch.ones(8))
+    (heap,) = comm.heaps()
+    assert heap["heap_bytes"] == 4112 and heap["segment_bytes"] == DATA_OFFSET + 8192
+    comm.reset()
 
 
 @needs_interpreter

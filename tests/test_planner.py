@@ -18,6 +18,7 @@ import re
 import pytest
 
 from smptk.cli import main
+from smptk.kernels.heap_layout import DATA_OFFSET
 from smptk.parallel.expert_parallel import expert_shard_dim
 from smptk.parallel.planner import (
     CLUSTERS,
@@ -364,7 +365,7 @@ def test_heaps_count_the_groups_inside_a_node() -> None:
     p5 = cluster("p5", nodes=2)
     one_group = estimate_memory("llama2-7b", {"tensor_parallel_degree": 8}, seq_len=4096, cluster=p5)
     (heap,) = [t for t in one_group.terms if t.kind == "comm"]
-    assert "tp" in heap.detail and heap.bytes == 64 * 2**20 + estimate_mod.DATA_OFFSET
+    assert "tp" in heap.detail and heap.bytes == 64 * 2**20 + DATA_OFFSET
     # dp_shard spans both nodes: its collectives fall back to torch.distributed, no heap.
     assert not [
         t for t in estimate_memory("llama2-7b", {}, seq_len=4096, cluster=p5).terms if t.kind == "comm"
@@ -373,12 +374,32 @@ def test_heaps_count_the_groups_inside_a_node() -> None:
     ddp = {"hybrid_shard_degree": 1, "mixed_precision": "fp32"}
     est = estimate_memory("llama2-7b", ddp, seq_len=1024, cluster="p5")
     (heap,) = [t for t in est.terms if t.kind == "comm"]
-    assert (
-        est.engine == "ddp" and "(dp)" in heap.detail and heap.bytes == 64 * 2**20 + estimate_mod.DATA_OFFSET
-    )
+    assert est.engine == "ddp" and "(dp)" in heap.detail and heap.bytes == 64 * 2**20 + DATA_OFFSET
     assert not [
         t for t in estimate_memory("llama2-7b", ddp, seq_len=1024, cluster=p5).terms if t.kind == "comm"
     ]
+
+
+def test_one_heap_where_dp_shard_and_ep_are_the_world_group() -> None:
+    """A mesh dim over every rank is torch's default group, and a heap belongs to a group: Mixtral at
+    expert_parallel_degree 8 fully sharded over one p5 holds one heap (tests/test_planner_validation.py
+    counts what a step allocates), where the plan counted two (dp_shard and ep). With dp_replicate 2 the
+    two dims are groups of their own, over the same ranks, and hold two."""
+    seg = 64 * 2**20 + DATA_OFFSET
+    heap_of = lambda est: [(t.bytes, t.detail) for t in est.terms if t.kind == "comm"]
+    ep8 = estimate_memory("mixtral-8x7b", {"expert_parallel_degree": 8}, seq_len=4096, cluster="p5")
+    assert heap_of(ep8) == [(seg, "1 group(s) inside a node (dp_shard = ep), 64 MiB + control each")]
+    hsdp = {"expert_parallel_degree": 4, "hybrid_shard_degree": 4}
+    est = estimate_memory("mixtral-8x7b", hsdp, seq_len=4096, cluster="p5")
+    assert heap_of(est) == [(2 * seg, "2 group(s) inside a node (dp_shard, ep), 64 MiB + control each")]
+
+
+def test_heap_segments_are_whole_pages() -> None:
+    """A rank allocates the heap's segment in whole 4 KiB pages (smptk.comm.heap): a 4112-byte data region
+    takes 8192 bytes after the control words, where the plan counted 4112."""
+    one_group = {"tensor_parallel_degree": 8}
+    est = estimate_memory("llama2-7b", one_group, seq_len=4096, cluster="p5", heap_bytes=4112)
+    assert [t.bytes for t in est.terms if t.kind == "comm"] == [DATA_OFFSET + 8192]
 
 
 def test_heap_bytes_default_is_what_smptk_comm_uses(capsys) -> None:
@@ -392,20 +413,20 @@ def test_heap_bytes_default_is_what_smptk_comm_uses(capsys) -> None:
     try:
         comm.configure(heap_bytes=1 << 20)
         est = estimate_memory("llama2-7b", one_group, seq_len=4096, cluster="p5")
-        assert heap_of(est) == [2**20 + estimate_mod.DATA_OFFSET]
+        assert heap_of(est) == [2**20 + DATA_OFFSET]
         adv = advise("llama2-7b", "p5", seq_len=4096)
         heaps = {b for c in adv.candidates for b in heap_of(c.estimate)}  # one or two groups' heaps
-        assert heaps and all(b % (2**20 + estimate_mod.DATA_OFFSET) == 0 for b in heaps), heaps
+        assert heaps and all(b % (2**20 + DATA_OFFSET) == 0 for b in heaps), heaps
     finally:
         comm.configure(heap_bytes=before)
     est = estimate_memory("llama2-7b", one_group, seq_len=4096, cluster="p5", heap_bytes=4096)
-    assert heap_of(est) == [4096 + estimate_mod.DATA_OFFSET]
+    assert heap_of(est) == [4096 + DATA_OFFSET]
     with pytest.raises(ValueError, match="heap_bytes: expected a multiple of 16 of at least 4096, got 16"):
         advise("llama2-7b", "p5", seq_len=4096, heap_bytes=16)  # refused, not every candidate skipped
     assert main(["plan", "--model", "llama2-7b", "--instance", "p5", "--config", json.dumps(one_group),
                  "--heap-bytes", str(2**27), "--json"]) == 0  # fmt: skip
     terms = json.loads(capsys.readouterr().out)["terms"]
-    assert [t["bytes"] for t in terms if t["kind"] == "comm"] == [2**27 + estimate_mod.DATA_OFFSET]
+    assert [t["bytes"] for t in terms if t["kind"] == "comm"] == [2**27 + DATA_OFFSET]
 
 
 def test_estimate_reports_a_table_json_and_fit() -> None:

@@ -24,8 +24,10 @@ parallelism and measures it (``tests/planner_jobs.py``):
 
 Multi-rank cases run as one job per world size (2 and 4 gloo ranks, every case in one spawn: starting
 processes dominates), with ``SMPTK_KERNELS=torch`` and ``TRITON_INTERPRET=0`` (smptk's collectives then
-take torch.distributed: the symmetric heap is counted by the estimate as its own term, not here, and the
-interpreted heap would take minutes). Single-process cases run in this process on a 1-rank gloo group.
+take torch.distributed, and the interpreted heap would take minutes). The symmetric heaps are checked on
+their own: one 2-rank step per ``planner_jobs.HEAP_CASES`` case with smptk's collectives under
+``TRITON_INTERPRET=1`` (the heap's CPU backend), whose segments' bytes must equal the estimate's heap term.
+Single-process cases run in this process on a 1-rank gloo group.
 """
 
 from __future__ import annotations
@@ -157,3 +159,24 @@ def test_activations_match_what_autograd_keeps(request, world: int, name: str) -
         _check_activations(
             f"{name} rank {rank}", results[name]["activations"], predicted, config["activation_checkpointing"]
         )
+
+
+HEAP_BYTES = 2**20 + 16  # a data region that is not whole pages: the segment rounds it up
+
+
+def test_symmetric_heaps_are_what_a_step_allocates() -> None:
+    """The heap term against the segments a training step allocates on 2 ranks (TP 2 with sequence
+    parallelism, FSDP2 over 2, EP 2: ``planner_jobs.HEAP_CASES``) under TRITON_INTERPRET=1, where smptk's
+    collectives take the heap's CPU backend; every rank holds the same."""
+    env = {"SMPTK_KERNELS": "torch", "TRITON_INTERPRET": "1", "SMPTK_COMM_HEAP_BYTES": str(HEAP_BYTES)}
+    result = run_ranks("planner_jobs:heaps", world=2, timeout_s=300, env=env)
+    result.raise_for_failure()
+    for name, (spec, config, attention, sp, _) in jobs.HEAP_CASES.items():
+        est = estimate_memory(
+            jobs.SPECS[spec], config, seq_len=jobs.SEQ, micro_batch=jobs.MICRO_BATCH, world_size=2,
+            attention=attention, sequence_parallel=sp, heap_bytes=HEAP_BYTES,
+        )  # fmt: skip
+        predicted = est.bytes_of("comm")
+        for rank, measured in enumerate(result.values):
+            got = measured[name]
+            assert got["bytes"] == predicted, f"{name} rank {rank}: {got} against the plan's {predicted} B"

@@ -51,7 +51,7 @@ from smptk.comm.heap import HeapBuildError, HeapUnavailable, SymmetricHeap
 from smptk.kernels import runtime
 from smptk.kernels._dispatch import outside_graphs
 from smptk.kernels._triton import ensure_allocator, kernel_module
-from smptk.kernels.heap_layout import CALL_OFFSET, DATA_OFFSET, MAX_PROGRAMS, OPS, SEEN_OFFSET, SEQ_SHIFT
+from smptk.kernels.heap_layout import CALL_OFFSET, MAX_PROGRAMS, OPS, SEEN_OFFSET, SEQ_SHIFT
 
 K = kernel_module("smptk.kernels.collectives")  # imported (with triton) on first use: smptk.kernels._triton
 
@@ -340,10 +340,12 @@ def heaps() -> list[dict]:
     """This process's live symmetric heaps, one dict per group and device type: ``ranks`` (the group's
     global ranks), ``rank`` (this process's rank in it), ``world_size``, ``backend`` ("cpu" / "cuda"),
     ``heap_bytes`` (the data region), ``segment_bytes`` (what this rank allocates: signal pad, control
-    words and data region), ``calls`` (symmetric launches so far) and ``broken`` (None or why).
+    words and data region, in whole 4 KiB pages), ``calls`` (symmetric launches so far) and ``broken``
+    (None or why).
 
     A group holds a heap only after its first symmetric call; each is bounded by ``heap_bytes`` (see
-    :func:`configure`) plus ``DATA_OFFSET`` bytes of signals, so a process holds at most one segment
+    :func:`configure`) plus ``DATA_OFFSET`` bytes of signals, rounded up to 4 KiB
+    (:func:`smptk.comm.heap.segment_bytes`), so a process holds at most one segment
     per group and device type it calls collectives on. ``smptk info`` lists them when run in the process
     (:func:`smptk._env.collect_environment`); :meth:`smptk.parallel.ParallelState.symmetric_heaps`
     keeps the ones of a parallel state's groups.
@@ -374,7 +376,7 @@ def heaps() -> list[dict]:
                     "world_size": heap.world_size,
                     "backend": backend,
                     "heap_bytes": heap.heap_bytes,
-                    "segment_bytes": DATA_OFFSET + heap.heap_bytes,
+                    "segment_bytes": heap.local.numel(),
                     "calls": heap.calls,
                     "broken": heap.broken,
                 }

@@ -49,7 +49,13 @@ import torch.distributed as dist
 
 from smptk.kernels.heap_layout import ABORT_OFFSET, DATA_OFFSET, MAX_WORLD
 
-_ALIGN = 4096
+_ALIGN = 4096  # a segment is whole 4 KiB pages (DATA_OFFSET is a multiple of it; the data region rounds up)
+
+
+def segment_bytes(heap_bytes: int) -> int:
+    """Bytes one rank allocates for a heap whose data region is ``heap_bytes``: the signal pad and control
+    words (``DATA_OFFSET``) and the data region, rounded up to a multiple of 4096."""
+    return -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
 
 
 class HeapUnavailable(RuntimeError):
@@ -186,7 +192,7 @@ def same_host(group: dist.ProcessGroup) -> bool:
 def _create_cpu(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    size = -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
+    size = segment_bytes(heap_bytes)
     name = f"/dev/shm/smptk-{secrets.token_hex(16)}"
     own, error = None, None
     try:
@@ -261,7 +267,7 @@ def _create_cuda(group: dist.ProcessGroup, heap_bytes: int) -> SymmetricHeap:
     if not torch.cuda.is_available():
         raise HeapUnavailable("the cuda heap needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
-    size = -(-(DATA_OFFSET + heap_bytes) // _ALIGN) * _ALIGN
+    size = segment_bytes(heap_bytes)
     local, error = None, None
     try:
         local = symm_mem.empty(size, dtype=torch.uint8, device=device)

@@ -76,10 +76,12 @@ gathered from forward to backward; a block and its prefetched successor), the ga
 unit before its reduce-scatter (compute dtype, then the fp32 reduce-scatter input); the logits
 ``T V_t B`` and their fp32 gradient during the loss; one recomputed block under checkpointing; the MoE
 all-to-all send and receive buffers ``2 T k h B``. **smptk's symmetric heaps**: one per group that uses
-them (tp, dp_shard, ep with more than one rank, inside one node), ``heap_bytes`` each (by default what
-:mod:`smptk.comm` uses in this process: ``SMPTK_COMM_HEAP_BYTES`` or ``comm.configure``'s, 64 MiB unset)
-plus the control words. **Allocator margin**: 5% of the allocated bytes (fragmentation in PyTorch's
-caching allocator; the CUDA context, ~0.5 GiB outside the allocator, is left to the fit check of
+them (tp, dp_shard, ep with more than one rank, inside one node; dp_shard and ep that both span every
+rank are one group, torch's default), ``heap_bytes`` each (by default what :mod:`smptk.comm` uses in
+this process: ``SMPTK_COMM_HEAP_BYTES`` or ``comm.configure``'s, 64 MiB unset) plus the signal pad and
+control words, in whole 4 KiB pages (:func:`smptk.comm.heap.segment_bytes`, what a rank allocates).
+**Allocator margin**: 5% of the allocated bytes (fragmentation in PyTorch's caching allocator; the CUDA
+context, ~0.5 GiB outside the allocator, is left to the fit check of
 :func:`smptk.parallel.planner.advise`).
 
 Example::
@@ -103,7 +105,7 @@ from typing import Any
 
 from smptk import comm
 from smptk.comm.collectives import check_heap_bytes
-from smptk.kernels.heap_layout import DATA_OFFSET
+from smptk.comm.heap import segment_bytes
 from smptk.parallel.config import ParallelConfig
 from smptk.parallel.expert_parallel import expert_shard_dim
 from smptk.parallel.planner.clusters import Cluster
@@ -692,9 +694,12 @@ def _layer_local_numel(spec: ModelSpec, i: int, sizes: dict) -> int:
 
 def _heap_terms(sizes: dict, cl: Cluster | None, heap_bytes: int, engine: str) -> list[MemoryTerm]:
     per_node = cl.gpus_per_node if cl else None
-    groups = []
+    world = sizes["dp"] * sizes["tp"]
+    groups, names = [], []
     # tp innermost: a tp group spans tp ranks; dp_shard spans dp_shard * tp; ep spans ep * tp. DDP (tp 1)
-    # all-reduces its gradient buckets over the whole dp group through smptk's hook.
+    # all-reduces its gradient buckets over the whole dp group through smptk's hook. A heap belongs to a
+    # process group, and a mesh dim over every rank is torch's default group (DeviceMesh): with ep equal to
+    # a dp_shard that spans the world, the two dims are one group and hold one heap.
     for dim, span in (
         ("tp", sizes["tp"]),
         ("dp_shard", sizes["dp_shard"] * sizes["tp"]),
@@ -702,14 +707,19 @@ def _heap_terms(sizes: dict, cl: Cluster | None, heap_bytes: int, engine: str) -
         *([("dp", sizes["dp"])] if engine == "ddp" else []),
     ):
         if sizes[dim] > 1 and (per_node is None or span <= per_node):
-            groups.append(dim)
+            group = "world" if sizes[dim] == world else dim
+            if group in groups:
+                names[groups.index(group)] += f" = {dim}"
+            else:
+                groups.append(group)
+                names.append(dim)
     if not groups:
         return []
-    seg = heap_bytes + DATA_OFFSET
+    seg = segment_bytes(heap_bytes)
     return [
         MemoryTerm(
             "smptk symmetric heaps", len(groups) * seg, "comm",
-            f"{len(groups)} group(s) inside a node ({', '.join(groups)}), "
+            f"{len(groups)} group(s) inside a node ({', '.join(names)}), "
             f"{heap_bytes / 2**20:.0f} MiB + control each",
         )
     ]  # fmt: skip
