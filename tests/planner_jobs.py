@@ -125,9 +125,14 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
 
-def local_bytes(t: torch.Tensor) -> int:
-    t = _local(t)
-    return t.numel() * t.element_size()
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages under ``tensors``' local shards, each storage once: what this rank holds
+    (FSDP2's padded shards, and tensors that are views of one buffer, counted as allocated)."""
+    storages = {}
+    for t in tensors:
+        storage = _storage(t)
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -181,9 +186,9 @@ def model_states(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     params = list(model.parameters())
     moments = [v for p in params for k, v in opt.state[p].items() if k != "step" and torch.is_tensor(v)]
     return {
-        "parameters": sum(local_bytes(p) for p in params),
-        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(local_bytes(v) for v in moments),
+        "parameters": storage_bytes(params),
+        "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": storage_bytes(moments),
     }
 
 
@@ -267,11 +272,88 @@ def run_case(
 
 
 def run(rank: int, world: int) -> dict:
-    """Every case of this world size (``CASES[world]``), on this rank."""
+    """Every case of this world size (``CASES[world]``), on this rank; on 4 ranks also the advised
+    configurations (``"advised"``: :func:`run_advised`)."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use .*_single", category=FutureWarning)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    return {name: run_case(*case) for name, case in CASES[world].items()}
+    out = {name: run_case(*case) for name, case in CASES[world].items()}
+    if world == ADVISED_WORLD:
+        out["advised"] = run_advised()
+    return out
+
+
+# Advice round trip: what advise ranks for two tiny Hugging Face models on a 4-GPU custom cluster whose
+# memory (0.56 GiB, 0.5 of it the CUDA context) leaves tensor parallelism, HSDP, full sharding, DDP and
+# expert parallelism among the candidates at 8192 tokens. Each runs as a user would run it: transform with
+# the candidate's config and sequence parallelism, then one AdamW step (on 16 tokens: model states do not
+# depend on the sequence).
+ADVISED_WORLD = 4
+ADVISED_MODELS = {
+    "llama": {
+        "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    },
+    "mixtral": {
+        "model_type": "mixtral", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
+    },
+}  # fmt: skip
+ADVISED_CLUSTER = {
+    "gpu": "tiny", "memory_gb": 0.56, "bf16_tflops": 1, "gpus_per_node": ADVISED_WORLD,
+    "intra_node_gbps": 100, "inter_node_gbps": 10,
+}  # fmt: skip
+
+
+def advised(model: str) -> dict:
+    """``advise``'s candidates for ``ADVISED_MODELS[model]``, one per (tp, hybrid_shard_degree, ep) (the
+    checkpointing and micro-batch leave the model states as they are), keyed by that label."""
+    from smptk.parallel.planner import advise, from_hf_config
+
+    adv = advise(
+        from_hf_config(ADVISED_MODELS[model]), ADVISED_CLUSTER, seq_len=8192, mixed_precision="fp32",
+        heap_bytes=4096,
+    )  # fmt: skip
+    out = {}
+    for c in adv.candidates:
+        cfg = c.config
+        degrees = (cfg.tensor_parallel_degree, cfg.hybrid_shard_degree, cfg.expert_parallel_degree)
+        key = "{} tp {} hsd {} ep {}".format(model, *degrees)
+        out.setdefault(key, c)
+    return out
+
+
+def run_advised() -> dict:
+    """Per advised configuration: this rank's model states after one step of the transformed model."""
+    import transformers
+
+    import smptk.parallel as parallel
+
+    out = {}
+    for model in ADVISED_MODELS:
+        hf = dict(ADVISED_MODELS[model])
+        kind = hf.pop("model_type")
+        for key, c in advised(model).items():
+            torch.manual_seed(0)
+            if kind == "llama":
+                net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+            else:
+                net = transformers.MixtralForCausalLM(transformers.MixtralConfig(**hf))
+            try:
+                module, _ = parallel.transform(
+                    net.float(), c.config, sequence_parallel=c.estimate.sequence_parallel
+                )
+                opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+                ids = torch.randint(0, hf["vocab_size"], (c.micro_batch, 16), generator=torch.Generator())
+                with kernels("torch"):
+                    module(ids, labels=ids).loss.backward()
+                    opt.step()
+                out[key] = model_states(module, opt)
+            finally:
+                parallel.reset()
+    return out
 
 
 # Symmetric heaps: a training step with smptk's collectives (tensor-parallel layers, FSDP2's all-gather and
