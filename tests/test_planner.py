@@ -584,6 +584,12 @@ def test_advise_fills_the_global_batch_with_accumulation() -> None:
 def test_advise_allows_tensor_parallelism_for_long_sequences() -> None:
     adv = advise("llama3.1-8b", "p5.48xlarge", nodes=1, seq_len=16384)
     assert any(c.config.tensor_parallel_degree > 1 for c in adv.candidates)
+    # The JSON says which candidates assume sequence parallelism (transform's sequence_parallel, not a
+    # ParallelConfig key): without it a program had the config but not what the memory was counted for.
+    rows = adv.to_dict(top=len(adv.candidates))["candidates"]
+    for c, row in zip(adv.candidates, rows, strict=True):
+        assert row["sequence_parallel"] is c.estimate.sequence_parallel
+        assert row["sequence_parallel"] == (c.config.tensor_parallel_degree > 1) == (" sp " in c.label())
 
 
 def test_advise_says_what_would_fit_when_nothing_does() -> None:

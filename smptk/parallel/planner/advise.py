@@ -153,6 +153,8 @@ class Candidate:
     def to_dict(self) -> dict:
         return {
             "config": {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None},
+            # not a ParallelConfig key: transform's argument, which the estimate assumed
+            "sequence_parallel": self.estimate.sequence_parallel,
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
             "global_batch_tokens": self.global_batch_tokens,
