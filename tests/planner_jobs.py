@@ -280,6 +280,8 @@ def run(rank: int, world: int) -> dict:
     out = {name: run_case(*case) for name, case in CASES[world].items()}
     if world == ADVISED_WORLD:
         out["advised"] = run_advised()
+    if world == 2:
+        out["delayed_init"] = run_delayed_init()
     return out
 
 
@@ -345,15 +347,43 @@ def run_advised() -> dict:
                 module, _ = parallel.transform(
                     net.float(), c.config, sequence_parallel=c.estimate.sequence_parallel
                 )
-                opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-                ids = torch.randint(0, hf["vocab_size"], (c.micro_batch, 16), generator=torch.Generator())
-                with kernels("torch"):
-                    module(ids, labels=ids).loss.backward()
-                    opt.step()
-                out[key] = model_states(module, opt)
+                out[key] = _step_states(module, c.micro_batch, hf["vocab_size"])
             finally:
                 parallel.reset()
     return out
+
+
+def _step_states(module: torch.nn.Module, micro_batch: int, vocab: int) -> dict:
+    """One AdamW step of a transformed Hugging Face model on ``micro_batch`` x 16 tokens; its states."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    ids = torch.randint(0, vocab, (micro_batch, 16), generator=torch.Generator().manual_seed(0))
+    with kernels("torch"):
+        module(ids, labels=ids).loss.backward()
+        opt.step()
+    return model_states(module, opt)
+
+
+# Delayed initialization (2 ranks): the Llama of ADVISED_MODELS built on the meta device, transformed with
+# hybrid_shard_degree 1 in fp32 (replication, which DDP would run for an allocated model), materialized.
+DELAYED_INIT = {"hybrid_shard_degree": 1, "mixed_precision": "fp32", "delayed_parameter_initialization": True}
+
+
+def run_delayed_init() -> dict:
+    """This rank's model states after one step of the delayed-initialization flow, and its engine."""
+    import transformers
+
+    import smptk.parallel as parallel
+
+    hf = {k: v for k, v in ADVISED_MODELS["llama"].items() if k != "model_type"}
+    with torch.device("meta"):
+        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+    state = parallel.init(DELAYED_INIT)
+    try:
+        module, report = parallel.transform(net, state=state)
+        parallel.materialize(module, state, allow_uninitialized=True)  # HF's norms have no reset_parameters
+        return {"states": _step_states(module, 1, hf["vocab_size"]), "engine": report.data_parallel.engine}
+    finally:
+        parallel.reset()
 
 
 # Symmetric heaps: a training step with smptk's collectives (tensor-parallel layers, FSDP2's all-gather and

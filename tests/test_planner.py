@@ -170,6 +170,17 @@ def test_ddp_replication_counts_twenty_bytes_per_parameter() -> None:
     assert not [t for t in est.terms if t.name.startswith("FSDP2")]
 
 
+def test_delayed_initialization_replicates_on_fsdp2_not_ddp() -> None:
+    """A model built on the meta device (delayed_parameter_initialization's flow) cannot go to DDP, so
+    apply_data_parallel replicates it on FSDP2: no bucket copy of the gradients (16 bytes per parameter,
+    not 20) and no heap over dp. tests/test_planner_validation.py measures the flow on 2 ranks."""
+    config = {"hybrid_shard_degree": 1, "mixed_precision": "fp32", "delayed_parameter_initialization": True}
+    est = estimate_memory(TINY, config, seq_len=16, cluster="p5")
+    assert est.engine == "fsdp2 (unsharded)"
+    assert est.parameter_bytes + est.gradient_bytes + est.optimizer_bytes == 16 * TINY.num_parameters()
+    assert not [t for t in est.terms if t.kind == "comm" or t.name == "DDP gradient buckets"]
+
+
 def test_fsdp_pads_dim0_to_the_shard_count() -> None:
     """A [5] norm weight on 4 ranks: FSDP2's rank 0 holds ceil(5 / 4) = 2 rows."""
     spec = ModelSpec(

@@ -9,7 +9,10 @@ parallelism and measures it (``tests/planner_jobs.py``):
   parameter / gradient / optimizer bytes. Single process (dense and MoE), tensor parallelism 2 (with and
   without sequence parallelism), FSDP2 full shard over 2 and 4 ranks, HSDP (2 x 2), TP 2 x FSDP 2, and
   expert parallelism (EP 2, EP 2 x DP 2, EP 4) on the MoE spec. Vocabulary 126 and MLP width 90 make
-  FSDP2 pad (rank 0 holds the rounded-up rows), which the estimate must reproduce.
+  FSDP2 pad (rank 0 holds the rounded-up rows), which the estimate must reproduce. Bytes are those of the
+  storages under the local shards, each counted once. Also on Hugging Face models through ``transform``:
+  every configuration ``advise`` ranks for a tiny Llama and Mixtral on 4 ranks, and the delayed-
+  initialization flow (built on meta, replicated on FSDP2) on 2.
 - Activations must be within 10% of the estimate (they come out within 0.5% here): what one forward of
   the model and its loss leaves for backward, counted by saved-tensor hooks (no checkpointing) and by the
   storages created in the forward that outlive it (full and selective checkpointing, which keep tensors
@@ -38,7 +41,7 @@ import torch
 from comm_harness import run_ranks
 from helpers import one_rank_group
 
-from smptk.parallel.planner import estimate_memory
+from smptk.parallel.planner import estimate_memory, from_hf_config
 
 TOLERANCE = 0.10  # activations, measured / predicted - 1
 AGREEMENT = 0.03  # hooks against live storages, no checkpointing
@@ -188,6 +191,24 @@ def test_advised_configurations_run_and_hold_the_estimated_states(world4) -> Non
     engines = {e for e, _, _ in seen}
     assert {"ddp", "fsdp2 hybrid_shard", "fsdp2 full_shard"} <= engines, seen
     assert {t for _, t, _ in seen} == {1, 2} and {ep for _, _, ep in seen} == {1, 2, 4}, seen
+
+
+def test_delayed_initialization_holds_the_estimated_states(world2) -> None:
+    """hybrid_shard_degree 1 in fp32 with delayed_parameter_initialization (``planner_jobs.DELAYED_INIT``:
+    built on meta, transformed, materialized) replicates on FSDP2, with one gradient per parameter."""
+    est = estimate_memory(
+        from_hf_config(jobs.ADVISED_MODELS["llama"]), jobs.DELAYED_INIT, seq_len=16, world_size=2
+    )
+    for rank, results in enumerate(world2):
+        got = results["delayed_init"]
+        assert got["engine"] == "fsdp2" and est.engine == "fsdp2 (unsharded)", (
+            rank,
+            got["engine"],
+            est.engine,
+        )
+        predicted = {"parameters": est.parameter_bytes, "gradients": est.gradient_bytes}
+        predicted["optimizer"] = est.optimizer_bytes
+        assert got["states"] == predicted, f"rank {rank}: holds {got['states']}, predicted {predicted}"
 
 
 HEAP_BYTES = 2**20 + 16  # a data region that is not whole pages: the segment rounds it up

@@ -18,7 +18,9 @@ stay fp32 (4 bytes: they are the master weights), their gradients are fp32 (4) a
 moments (8): 16 bytes per sharded parameter. The bf16 copies the usual "20 bytes per parameter" counts
 (bf16 parameter 2 + bf16 gradient 2) exist only for the FSDP2 unit being computed and are transient
 below. ``hybrid_shard_degree=1`` with fp32 and no TP runs DDP: full fp32 parameters, gradients, Adam
-moments, and DDP's gradient buckets (a second copy of the gradients, 4 bytes per parameter). Other
+moments, and DDP's gradient buckets (a second copy of the gradients, 4 bytes per parameter); not under
+``delayed_parameter_initialization``, whose model is built on the meta device, which DDP cannot take
+(``apply_data_parallel`` replicates it on FSDP2: no buckets, no heap over ``dp``). Other
 optimizers: ``"sgd"`` 0 bytes of state, ``"sgd_momentum"`` 4, ``"adamw"`` / ``"adam"`` 8.
 
 **Activations** are what autograd keeps from forward to backward in smptk's reference transformer
@@ -416,7 +418,15 @@ def _check_model_fits_degrees(spec: ModelSpec, sizes: dict, seq_len: int, sp: bo
 
 
 def _engine(cfg: ParallelConfig, sizes: dict) -> str:
-    if sizes["dp_shard"] == 1 and sizes["dp"] > 1 and sizes["tp"] == 1 and cfg.mixed_precision == "fp32":
+    """The engine ``apply_data_parallel`` picks: DDP replicates fp32 parameters that are neither DTensors
+    (tp 1) nor on the meta device (delayed initialization's flow builds the model there); FSDP2 the rest."""
+    replicate = sizes["dp_shard"] == 1 and sizes["dp"] > 1
+    if (
+        replicate
+        and sizes["tp"] == 1
+        and cfg.mixed_precision == "fp32"
+        and not cfg.delayed_parameter_initialization
+    ):
         return "ddp"
     if sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1:
         return "fsdp2 hybrid_shard"
