@@ -729,6 +729,20 @@ def test_plan_names_a_model_or_cluster_file_that_is_not_json(capsys, tmp_path) -
     assert f"--instance: {str(bad)!r} is not valid JSON" in capsys.readouterr().err
 
 
+def test_a_model_path_that_does_not_exist_is_named(capsys, tmp_path) -> None:
+    """A --model path with no file behind it (or a directory without config.json) gave the bare
+    "[Errno 2] No such file or directory", naming neither the argument nor what was expected."""
+    missing = str(tmp_path / "llama-3.json")
+    with pytest.raises(
+        FileNotFoundError, match=r"config: .*llama-3.json' does not exist \(expected a Hugging"
+    ):
+        model_spec(missing)
+    with pytest.raises(FileNotFoundError, match=r"config: .*config.json' does not exist"):
+        model_spec(str(tmp_path))  # a directory without config.json
+    assert main(["plan", "--model", missing, "--instance", "p5"]) == 2
+    assert f"config: {missing!r} does not exist" in capsys.readouterr().err
+
+
 def test_model_spec_describe_and_presets() -> None:
     assert model_spec("DeepSeek-V3").is_mla and model_spec("deepseek-v3").num_moe_layers == 58
     assert "MoE 8x top-2" in model_spec("mixtral-8x7b").describe()

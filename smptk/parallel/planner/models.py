@@ -395,6 +395,11 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         path = os.fspath(config)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"config: {path!r} does not exist (expected a Hugging Face config.json, or a checkpoint "
+                "directory holding one)"
+            )
         with open(path) as f:
             try:
                 config = json.load(f)
