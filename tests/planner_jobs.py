@@ -348,19 +348,27 @@ def run_advised() -> dict:
                     net.float(), c.config, sequence_parallel=c.estimate.sequence_parallel
                 )
                 out[key] = _step_states(module, c.micro_batch, hf["vocab_size"])
+                out[key]["head_gathered"] = out[key].pop("gathered")
             finally:
                 parallel.reset()
     return out
 
 
 def _step_states(module: torch.nn.Module, micro_batch: int, vocab: int) -> dict:
-    """One AdamW step of a transformed Hugging Face model on ``micro_batch`` x 16 tokens; its states."""
+    """One AdamW step of a transformed Hugging Face model on ``micro_batch`` x 16 tokens; its states, and
+    whether the LM head's forward read a copy of its weight (``"gathered"``: FSDP2's unsharded parameter)
+    rather than the storage of the parameter the optimizer steps."""
+    head = next(m for n, m in module.named_modules() if n.endswith("lm_head"))
+    stepped = _storage(head.weight).data_ptr()
+    used = []
+    hook = head.register_forward_hook(lambda m, args, out: used.append(_storage(m.weight).data_ptr()))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     ids = torch.randint(0, vocab, (micro_batch, 16), generator=torch.Generator().manual_seed(0))
     with kernels("torch"):
         module(ids, labels=ids).loss.backward()
         opt.step()
-    return model_states(module, opt)
+    hook.remove()
+    return {**model_states(module, opt), "gathered": used != [stepped]}
 
 
 # Delayed initialization (2 ranks): the Llama of ADVISED_MODELS built on the meta device, transformed with
@@ -381,7 +389,8 @@ def run_delayed_init() -> dict:
     try:
         module, report = parallel.transform(net, state=state)
         parallel.materialize(module, state, allow_uninitialized=True)  # HF's norms have no reset_parameters
-        return {"states": _step_states(module, 1, hf["vocab_size"]), "engine": report.data_parallel.engine}
+        states = _step_states(module, 1, hf["vocab_size"])
+        return {"gathered": states.pop("gathered"), "states": states, "engine": report.data_parallel.engine}
     finally:
         parallel.reset()
 

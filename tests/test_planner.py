@@ -170,6 +170,22 @@ def test_ddp_replication_counts_twenty_bytes_per_parameter() -> None:
     assert not [t for t in est.terms if t.name.startswith("FSDP2")]
 
 
+def test_fsdp2_on_a_one_rank_shard_group_computes_on_copies() -> None:
+    """FSDP2 copies a 1-rank shard group's parameters into unsharded ones instead of gathering them, and its
+    gradients into a reduce-scatter input (torch 2.13's FSDPParamGroup.wait_for_unshard and foreach_reduce),
+    in fp32 too: the plan left both out wherever nothing was sharded or cast (tensor parallelism alone,
+    replication on FSDP2), though transform applies FSDP2 there (tests/test_planner_validation.py sees the LM
+    head's forward read a copy)."""
+    for config, world in (
+        ({"tensor_parallel_degree": 2}, 2),
+        ({"tensor_parallel_degree": 2, "hybrid_shard_degree": 1}, 4),
+    ):
+        est = estimate_memory(TINY, {**config, "mixed_precision": "fp32"}, seq_len=16, world_size=world)
+        assert est.engine == "fsdp2 (unsharded)"
+        names = [t.name for t in est.terms if t.kind == "transient"]
+        assert "FSDP2 gathered parameters" in names and "FSDP2 unsharded gradients" in names, names
+
+
 def test_delayed_initialization_replicates_on_fsdp2_not_ddp() -> None:
     """A model built on the meta device (delayed_parameter_initialization's flow) cannot go to DDP, so
     apply_data_parallel replicates it on FSDP2: no bucket copy of the gradients (16 bytes per parameter,

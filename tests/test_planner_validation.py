@@ -182,6 +182,12 @@ def test_advised_configurations_run_and_hold_the_estimated_states(world4) -> Non
                 "gradients": est.gradient_bytes - buckets,
                 "optimizer": est.optimizer_bytes,
             }
+            # FSDP2 computes on a copy of the parameters (on a 1-rank shard group too); DDP on them
+            gathered = any(t.name == "FSDP2 gathered parameters" for t in est.terms)
+            assert [r[key]["head_gathered"] for r in measured] == [gathered] * len(measured), (
+                key,
+                est.engine,
+            )
             for kind in STATES:
                 per_rank = [r[key][kind] for r in measured]
                 assert max(per_rank) == predicted[kind], (
@@ -209,6 +215,7 @@ def test_delayed_initialization_holds_the_estimated_states(world2) -> None:
         predicted = {"parameters": est.parameter_bytes, "gradients": est.gradient_bytes}
         predicted["optimizer"] = est.optimizer_bytes
         assert got["states"] == predicted, f"rank {rank}: holds {got['states']}, predicted {predicted}"
+        assert got["gathered"] and any(t.name == "FSDP2 gathered parameters" for t in est.terms)
 
 
 HEAP_BYTES = 2**20 + 16  # a data region that is not whole pages: the segment rounds it up

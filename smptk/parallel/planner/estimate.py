@@ -74,17 +74,17 @@ terms differ, and they are checked against what autograd really keeps (tests/tes
 within 10%; the dense, tensor-parallel and MoE terms come out within 0.5% at its small shapes).
 
 **Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
-gathered from forward to backward; a block and its prefetched successor), the gathered gradients of one
-unit before its reduce-scatter (compute dtype, then the fp32 reduce-scatter input); the logits
-``T V_t B`` and their fp32 gradient during the loss; one recomputed block under checkpointing; the MoE
-all-to-all send and receive buffers ``2 T k h B``. **smptk's symmetric heaps**: one per group that uses
-them (tp, dp_shard, ep with more than one rank, inside one node; dp_shard and ep that both span every
-rank are one group, torch's default), ``heap_bytes`` each (by default what :mod:`smptk.comm` uses in
-this process: ``SMPTK_COMM_HEAP_BYTES`` or ``comm.configure``'s, 64 MiB unset) plus the signal pad and
-control words, in whole 4 KiB pages (:func:`smptk.comm.heap.segment_bytes`, what a rank allocates).
-**Allocator margin**: 5% of the allocated bytes (fragmentation in PyTorch's caching allocator; the CUDA
-context, ~0.5 GiB outside the allocator, is left to the fit check of
-:func:`smptk.parallel.planner.advise`).
+gathered from forward to backward; a block and its prefetched successor; on a 1-rank shard group FSDP2 copies
+the parameters instead of gathering them, so fp32 without sharding holds them too), the gathered gradients of
+one unit before its reduce-scatter (compute dtype, then the fp32 reduce-scatter input); the logits ``T V_t B``
+and their fp32 gradient during the loss; one recomputed block under checkpointing; the MoE all-to-all send and
+receive buffers ``2 T k h B``. **smptk's symmetric heaps**: one per group that uses them (tp, dp_shard, ep
+with more than one rank, inside one node; dp_shard and ep that both span every rank are one group, torch's
+default), ``heap_bytes`` each (by default what :mod:`smptk.comm` uses in this process:
+``SMPTK_COMM_HEAP_BYTES`` or ``comm.configure``'s, 64 MiB unset) plus the signal pad and control words, in
+whole 4 KiB pages (:func:`smptk.comm.heap.segment_bytes`, what a rank allocates). **Allocator margin**: 5% of
+the allocated bytes (fragmentation in PyTorch's caching allocator; the CUDA context, ~0.5 GiB outside the
+allocator, is left to the fit check of :func:`smptk.parallel.planner.advise`).
 
 Example::
 
@@ -637,20 +637,20 @@ def _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block, 
         gathered = {k: v for k, v in sizes.items()}
         unit = max(_layer_local_numel(spec, i, gathered) for i in _layer_kinds(spec))
         root = local_numel(spec, sizes, unit="root", fsdp=False)
-        cast = sizes["dp_shard"] > 1 or B != 4  # FSDP2 allocates unsharded copies when it gathers or casts
-        if cast:
-            terms.append(
-                MemoryTerm(
-                    "FSDP2 gathered parameters", (root + 2 * unit) * B, "transient",
-                    f"root unit {root:,} + 2 blocks x {unit:,} elements (current + prefetched), {B}-byte",
-                )
-            )  # fmt: skip
-            terms.append(
-                MemoryTerm(
-                    "FSDP2 unsharded gradients", unit * (B + 4), "transient",
-                    "one block's gradients before reduce-scatter, and its fp32 reduce-scatter input",
-                )
-            )  # fmt: skip
+        # FSDP2 computes on unsharded copies of a unit's parameters and copies the gradients into a
+        # reduce-scatter input, on a 1-rank shard group as well (it copies instead of gathering)
+        terms.append(
+            MemoryTerm(
+                "FSDP2 gathered parameters", (root + 2 * unit) * B, "transient",
+                f"root unit {root:,} + 2 blocks x {unit:,} elements (current + prefetched), {B}-byte",
+            )
+        )  # fmt: skip
+        terms.append(
+            MemoryTerm(
+                "FSDP2 unsharded gradients", unit * (B + 4), "transient",
+                "one block's gradients before reduce-scatter, and its fp32 reduce-scatter input",
+            )
+        )  # fmt: skip
     T = micro_batch * seq_len
     V_t, shape = _logits_width(spec, sizes["tp"], loss)
     terms.append(
