@@ -39,6 +39,8 @@ keeps each rank's block, + bias; its backward ran inside one all-gather GEMM lau
   two backward kernels and the all-gather of x's block for dW, as the plain pair does (the forwards'
   outputs are kept), full checkpointing launches the forwards again; gradients equal the plain pair's
   exactly.
+- ``flops``: the fused pair forward and backward (both backwards fused) under FlopCounterMode counts what
+  the plain-torch twin on this rank's shards counts.
 - ``scatter_missing_rank`` (last): as ``missing_rank``, on a heap rebuilt after it.
 
 Sizes are tiny and odd (T_w = 5 at W = 2, 7 at W = 4; K = 24 < one K step; N_local = 40: two column tiles,
@@ -363,6 +365,33 @@ def _selective(rank: int, world: int, seed: int) -> str | None:
     return "; ".join(problems) or None
 
 
+def _flops(rank: int, world: int, seed: int) -> str | None:
+    """The fused pair (all_gather_linear with GELU and bias, then linear_reduce_scatter), forward and backward
+    under FlopCounterMode, both backwards fused: the count equals the plain-torch twin's on this rank's
+    shards (each backward's dx is the other op's fused kernel, counted through its dispatcher op)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    xs, ws, bs, _ = _problem(world, seed, torch.float32)
+    w2 = torch.randn(6, N_LOCAL, generator=torch.Generator().manual_seed(seed + rank))
+    counts = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (xs[rank], ws[rank], bs[rank], w2)]
+        with FlopCounterMode(display=False) as counter:
+            if fused:
+                y, _ = all_gather_linear(*leaves[:3], group=None, activation="gelu", algorithm="fused")
+                linear_reduce_scatter(y, leaves[3], group=None, algorithm="fused")[
+                    0
+                ].square().sum().backward()
+            else:  # this rank's share of the work in plain torch: all rows times its shards
+                y = F.gelu(F.linear(torch.cat(xs).requires_grad_(), leaves[1], leaves[2]))
+                F.linear(y, leaves[3]).square().sum().backward()
+        counts.append(counter.get_total_flops())
+    want = 3 * 2 * world * ROWS[world] * N_LOCAL * (K + 6)  # forward, dx and dW of both GEMMs
+    if counts != [want, want] or last_backward_path() != "fused":
+        return f"counted {counts} (fused, plain torch), expected {want}; backward {last_backward_path()!r}"
+    return None
+
+
 def run(rank: int, world: int) -> dict[str, str | None]:
     f32 = torch.float32
     return {
@@ -378,6 +407,7 @@ def run(rank: int, world: int) -> dict[str, str | None]:
         "scatter_bias": _rebuilt_heap() or _check_scatter(rank, world, 6, True, 2, "fused"),
         "scatter_plain": _check_scatter(rank, world, 7, False, 1, "fused"),
         "selective": _selective(rank, world, 9),
+        "flops": _flops(rank, world, 10),
         "scatter_unfused": _check_scatter(rank, world, 8, True, 1, "unfused: algorithm", algorithm="unfused"),
         "scatter_bad_input": _scatter_bad_input(rank, world),
         "scatter_missing_rank": _missing_rank(rank, world, "reduce_scatter"),

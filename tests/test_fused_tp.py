@@ -25,7 +25,7 @@ CASES = (
     "missing_rank",
 )
 SCATTER_CASES = tuple(f"scatter_{c}" for c in ("bias", "plain", "unfused", "bad_input", "missing_rank"))
-PAIR_CASES = ("selective",)
+PAIR_CASES = ("selective", "flops")
 _jobs: dict[int, JobResult] = {}
 
 

@@ -579,12 +579,15 @@ def case_triton(ctx: _Ctx, problems: list[str]) -> None:
     """A column + row pair (sequence parallel) on smptk's Triton kernels, under the interpreter: with
     ``[b, s, h]`` (sequence dim 1: the unfused all-gather, then the GEMM) and with ``[s, b, h]`` (sequence
     dim 0: where the symmetric heap applies, the column layer runs the fused all-gather GEMM and the row
-    layer the fused GEMM + reduce-scatter, each backward the other's kernel)."""
+    layer the fused GEMM + reduce-scatter, each backward the other's kernel). FlopCounterMode counts, on each
+    rank, 1/T of the unsharded pair's GEMM FLOPs, forward and backward."""
     for seq_dim in (1, 0):
         _triton_pair(ctx, problems, seq_dim)
 
 
 def _triton_pair(ctx: _Ctx, problems: list[str], seq_dim: int) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
     from smptk.parallel import ColumnParallelLinear, RowParallelLinear
 
     os.environ["SMPTK_KERNELS"] = "triton"
@@ -603,12 +606,19 @@ def _triton_pair(ctx: _Ctx, problems: list[str], seq_dim: int) -> None:
             m.reset_parameters(gen)
         x_full = ctx.randn(*_seq_shape(seq_dim, T, 8))
         xr = x_full.clone().requires_grad_()
-        y_ref = lin2(F.gelu(lin1(xr)))
-        probe = ctx.randn(*y_ref.shape)
-        (y_ref * probe).sum().backward()
+        with FlopCounterMode(display=False) as ref_flops:
+            y_ref = lin2(F.gelu(lin1(xr)))
+            probe = ctx.randn(*y_ref.shape)
+            (y_ref * probe).sum().backward()
         x = x_full.chunk(T, seq_dim)[r].clone().requires_grad_()
-        y = row(col(x))
-        (y * probe.chunk(T, seq_dim)[r]).sum().backward()
+        with FlopCounterMode(display=False) as flops:
+            y = row(col(x))
+            (y * probe.chunk(T, seq_dim)[r]).sum().backward()
+        if T * flops.get_total_flops() != ref_flops.get_total_flops():  # each rank: 1/T of every GEMM
+            problems.append(
+                f"{label}: FlopCounterMode counted {flops.get_total_flops()} on this rank, "
+                f"expected 1/{T} of the unsharded pair's {ref_flops.get_total_flops()}"
+            )
         for m in (col, row):
             if m.last_kernel_path != "triton":
                 problems.append(f"{label}: {type(m).__name__} ran {m.last_kernel_path!r}")

@@ -1,6 +1,7 @@
 """Tensor-parallel linears fused with their collective, each one Triton kernel over the group's symmetric
 heap: ``all_gather_linear`` (the column-parallel forward with sequence parallelism) and
-``linear_reduce_scatter`` (the row-parallel one). Each one's backward runs the other's kernel.
+``linear_reduce_scatter`` (the row-parallel one). Each one's backward runs the other's kernel, through the
+other's dispatcher op (so FlopCounterMode counts its GEMM).
 
 ``all_gather_linear(x_local, weight_local, bias, group=g)``: every rank of g holds a ``[T_w, K]`` block of the
 sequence (rank order = sequence order) and its ``[N_local, K]`` column shard of the weight; every rank gets
@@ -76,7 +77,13 @@ from smptk.kernels._checks import (
     check_same,
     check_weight,
 )
-from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, grads_wanted, none_if_empty
+from smptk.kernels._dispatch import (
+    dispatcher_op,
+    first_derivative_only,
+    gemm_flops,
+    grads_wanted,
+    none_if_empty,
+)
 from smptk.kernels._triton import kernel_module
 
 _gc = kernel_module("smptk.kernels._gemm_comm")
@@ -179,7 +186,11 @@ def _all_gather_linear_fake(x, w, bias, act, save_z, return_gathered, group_name
     return x.new_empty((T, N)), gathered, x.new_empty((T, N) if save_z else (0,))
 
 
-@dispatcher_op("all_gather_linear_fwd", fake=_all_gather_linear_fake)
+def _all_gather_linear_flops(x, w, *_, out_shape):
+    return gemm_flops(out_shape[0][0], x[1], w[0])  # the gathered rows times this rank's weight
+
+
+@dispatcher_op("all_gather_linear_fwd", fake=_all_gather_linear_fake, flops=_all_gather_linear_flops)
 def _all_gather_linear_fwd(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -205,7 +216,13 @@ def _linear_reduce_scatter_fake(x, w, bias, group_name, programs):
     return x.new_empty((x.shape[0] // world, w.shape[0]))
 
 
-@dispatcher_op("linear_reduce_scatter_fwd", fake=_linear_reduce_scatter_fake)
+def _linear_reduce_scatter_flops(x, w, *_, out_shape):
+    return gemm_flops(x[0], x[1], w[0])  # this rank's partial product over all rows
+
+
+@dispatcher_op(
+    "linear_reduce_scatter_fwd", fake=_linear_reduce_scatter_fake, flops=_linear_reduce_scatter_flops
+)
 def _linear_reduce_scatter_fwd(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, group_name: str, programs: int
 ) -> torch.Tensor:
@@ -249,7 +266,7 @@ class _AllGatherLinear(torch.autograd.Function):
         )
         dx = None
         if need_dx and why is None:
-            dx = _fused_scatter(dz, wt, None, ctx.group, heap, ctx.programs)
+            dx = _linear_reduce_scatter_fwd(dz, wt, None, ctx.group.group_name, ctx.programs)
         elif need_dx:
             dx = dx_full.new_empty((dx_full.shape[0] // world, dx_full.shape[1]))
             _coll.reduce_scatter_tensor(dx, dx_full, "sum", ctx.group, max_sms=ctx.max_sms)
@@ -349,8 +366,8 @@ class _LinearReduceScatter(torch.autograd.Function):
         _last_backward[0] = "fused" if why is None else f"unfused: {why}"
         dx = None
         if why is None:
-            dx, dy_full, _ = _fused_forward(
-                dy, wt, None, _epilogue.ACT_NONE, False, ctx.group, heap, ctx.programs
+            dx, dy_full, _ = _all_gather_linear_fwd(
+                dy, wt, None, _epilogue.ACT_NONE, False, True, ctx.group.group_name, ctx.programs
             )
         else:
             dy_full = dy.new_empty((world * dy.shape[0], dy.shape[1]))

@@ -1,4 +1,4 @@
-"""smptk's forward kernels and collectives as torch dispatcher ops, so torch's dispatch modes can see them.
+"""smptk's kernels (forwards, and the backwards that run GEMMs) and collectives as torch dispatcher ops.
 
 A Triton launch is not a dispatcher op: torch's selective activation checkpointing (a dispatch mode that asks
 a policy, op by op, what to keep), FakeTensorMode and other modes see only the ``torch.empty`` that
@@ -18,6 +18,15 @@ dispatcher ops, take :func:`outside_graphs` alone). ``fullgraph=True`` therefore
 the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) of the dense ops is traced into
 the graph, while the grouped ops and the MoE chain break it where they read token counts on the host.
 
+FLOPs: ``dispatcher_op(..., flops=formula)`` gives an op its count of matmul FLOPs, taken from the shapes of
+its arguments, for ``torch.utils.flop_counter.FlopCounterMode`` (MFU measurements). The GEMM ops' backwards
+are dispatcher ops too, so the mode counts a backward's GEMMs as well. As torch counts ``mm`` / ``addmm``
+and nothing elementwise, the formulas count only the products: ``2 * M * K * N`` per GEMM, no bias,
+activation or SwiGLU epilogue. Importing ``torch.utils.flop_counter`` imports triton, which ``import smptk``
+must not (:mod:`smptk.kernels._triton`), so the formulas are registered (``register_flop_formula``) on the
+first call under a dispatch mode once that module is loaded, and added to the registry of any
+FlopCounterMode already running, which took its copy of the registry when it was made.
+
 Both branches run the same function, so what they compute is the same. The ops return tensors only, and
 fresh ones (no output aliases an input): an output a forward does not make is an empty tensor, which the
 caller turns back into None. :data:`OPS` holds every op registered here.
@@ -36,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -45,6 +55,9 @@ NAMESPACE = "smptk"
 # Every op registered here (OpOverloads). checkpointing's selective policy keeps the outputs of all of them.
 OPS: set = set()
 
+# Matmul FLOP formulas of the ops that have one: OpOverloadPacket -> formula(*argument shapes, out_shape).
+FLOPS: dict = {}
+
 
 def _mode_active() -> bool:
     """Whether a torch dispatch mode (selective checkpointing, FakeTensorMode, ...) is on the stack."""
@@ -52,7 +65,30 @@ def _mode_active() -> bool:
 
 
 def _run(op, impl: Callable, args: tuple):
-    return op(*args) if _mode_active() else impl(*args)
+    if not _mode_active():
+        return impl(*args)
+    _register_flops()
+    return op(*args)
+
+
+def _register_flops() -> None:
+    """Give torch's FLOP counter the formulas in :data:`FLOPS` (see the module docstring): registered once
+    ``torch.utils.flop_counter`` is loaded, and added to every FlopCounterMode on the dispatch stack."""
+    counter = sys.modules.get("torch.utils.flop_counter")
+    if counter is None:  # no FlopCounterMode can exist yet
+        return
+    for packet, formula in FLOPS.items():
+        if packet not in counter.flop_registry:
+            counter.register_flop_formula(packet)(formula)
+    for mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack():
+        if isinstance(mode, counter._FlopCounterMode):
+            for packet in FLOPS:
+                mode.counter.flop_registry.setdefault(packet, counter.flop_registry[packet])
+
+
+def gemm_flops(m: int, k: int, n: int) -> int:
+    """Multiply-adds of an ``[m, k] @ [k, n]`` product, counted as torch counts ``mm``: ``2 * m * k * n``."""
+    return 2 * m * k * n
 
 
 def outside_graphs(fn: Callable) -> Callable:
@@ -77,16 +113,22 @@ def outside_graphs(fn: Callable) -> Callable:
     return call
 
 
-def dispatcher_op(name: str, *, fake: Callable) -> Callable[[Callable], Callable]:
-    """Register the decorated forward as ``torch.ops.smptk.<name>`` and return its caller (see the module
+def dispatcher_op(
+    name: str, *, fake: Callable, flops: Callable | None = None
+) -> Callable[[Callable], Callable]:
+    """Register the decorated function as ``torch.ops.smptk.<name>`` and return its caller (see the module
     docstring). ``fake`` takes the same arguments and returns empty outputs of the right shapes; the
-    decorated function must be fully annotated (torch infers the op's schema from its annotations)."""
+    decorated function must be fully annotated (torch infers the op's schema from its annotations).
+    ``flops``: the op's matmul FLOPs for FlopCounterMode, from the arguments' shapes (a tensor's
+    ``torch.Size``, None and the other arguments as they are) and ``out_shape`` (the outputs' sizes)."""
 
     def register(impl: Callable) -> Callable:
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
         op.register_fake(fake)
         packet = getattr(getattr(torch.ops, NAMESPACE), name).default
         OPS.add(packet)
+        if flops is not None:
+            FLOPS[packet.overloadpacket] = flops
 
         @outside_graphs  # see the module docstring: under torch.compile, a graph break, then eager
         @functools.wraps(impl)

@@ -54,6 +54,7 @@ from smptk.kernels._checks import (
 from smptk.kernels._dispatch import (
     dispatcher_op,
     first_derivative_only,
+    gemm_flops,
     grads_wanted,
     none_if_empty,
     saved_if,
@@ -71,7 +72,11 @@ def _fused_linear_fwd_fake(x_MK, w_NK, bias_N, activation, save_z, lead):
     return x_MK.new_empty((*lead, N)), x_MK.new_empty((M, N) if save_z else (0,))
 
 
-@dispatcher_op("fused_linear_fwd", fake=_fused_linear_fwd_fake)
+def _fused_linear_fwd_flops(x_MK, w_NK, *_, out_shape):
+    return gemm_flops(x_MK[0], x_MK[1], w_NK[0])
+
+
+@dispatcher_op("fused_linear_fwd", fake=_fused_linear_fwd_fake, flops=_fused_linear_fwd_flops)
 def fused_linear_fwd(
     x_MK: torch.Tensor,
     w_NK: torch.Tensor,
@@ -93,6 +98,47 @@ def fused_linear_fwd(
     return y, z
 
 
+def _fused_linear_bwd_fake(dy_MN, x_MK, w_NK, z_MN, activation, needs):
+    need_dx, need_dw, need_db = needs
+    return (
+        x_MK.new_empty(x_MK.shape if need_dx else (0,)),
+        w_NK.new_empty(w_NK.shape if need_dw else (0,)),
+        w_NK.new_empty((w_NK.shape[0],) if need_db else (0,)),
+    )
+
+
+def _fused_linear_bwd_flops(dy_MN, x_MK, w_NK, z_MN, activation, needs, *, out_shape):
+    return (needs[0] + needs[1]) * gemm_flops(dy_MN[0], x_MK[1], dy_MN[1])  # dx = dz @ w, dw = dz.T @ x
+
+
+@dispatcher_op("fused_linear_bwd", fake=_fused_linear_bwd_fake, flops=_fused_linear_bwd_flops)
+def _fused_linear_bwd(
+    dy_MN: torch.Tensor,
+    x_MK: torch.Tensor,
+    w_NK: torch.Tensor,
+    z_MN: torch.Tensor | None,
+    activation: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op ``smptk::fused_linear_bwd``: :func:`fused_linear_bwd` with an empty tensor for each gradient
+    ``needs`` does not ask for."""
+    need_dx, need_dw, need_db = needs
+    dz, db = _epilogue.activation_backward(dy_MN, z_MN, activation, need_db, w_NK.dtype)
+    dx = new_buffer(x_MK.shape if need_dx else (0,), x_MK.dtype, x_MK.device)
+    if need_dx:
+        if w_NK.shape[0] == 0:
+            dx.zero_()
+        else:
+            _gemm.matmul(dz, w_NK, dx)
+    dw = new_buffer(w_NK.shape if need_dw else (0,), w_NK.dtype, w_NK.device)
+    if need_dw:
+        if x_MK.shape[0] == 0:
+            dw.zero_()
+        else:
+            _gemm.matmul(dz.t(), x_MK, dw)
+    return dx, dw, db if need_db else w_NK.new_empty((0,))
+
+
 def fused_linear_bwd(
     dy_MN: torch.Tensor,
     x_MK: torch.Tensor,
@@ -102,22 +148,8 @@ def fused_linear_bwd(
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Triton backward: ``(dx [M, K], dw [N, K], dbias [N])``, each None unless ``needs`` asks for it."""
-    need_dx, need_dw, need_db = needs
-    dz, db = _epilogue.activation_backward(dy_MN, z_MN, activation, need_db, w_NK.dtype)
-    dx = dw = None
-    if need_dx:
-        dx = new_buffer(x_MK.shape, x_MK.dtype, x_MK.device)
-        if w_NK.shape[0] == 0:
-            dx.zero_()
-        else:
-            _gemm.matmul(dz, w_NK, dx)
-    if need_dw:
-        dw = new_buffer(w_NK.shape, w_NK.dtype, w_NK.device)
-        if x_MK.shape[0] == 0:
-            dw.zero_()
-        else:
-            _gemm.matmul(dz.t(), x_MK, dw)
-    return dx, dw, db
+    grads = _fused_linear_bwd(dy_MN, x_MK, w_NK, z_MN, activation, [bool(n) for n in needs])
+    return tuple(none_if_empty(g, bool(n)) for g, n in zip(grads, needs, strict=True))
 
 
 class FusedLinearFunction(torch.autograd.Function):

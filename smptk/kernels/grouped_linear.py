@@ -76,6 +76,7 @@ from smptk.kernels._checks import (
 from smptk.kernels._dispatch import (
     dispatcher_op,
     first_derivative_only,
+    gemm_flops,
     grads_wanted,
     none_if_empty,
     saved_if,
@@ -93,7 +94,12 @@ def _grouped_fwd_fake(x_TK, w_ENK, offsets, bias_EN, activation, save_z):
     return x_TK.new_empty((T, N)), x_TK.new_empty((T, N) if save_z else (0,))
 
 
-@dispatcher_op("grouped_linear_fwd", fake=_grouped_fwd_fake)
+def _grouped_fwd_flops(x_TK, w_ENK, *_, out_shape):
+    # every row is multiplied by its own expert's [N, K] weight: the experts' GEMMs sum to T rows
+    return gemm_flops(x_TK[0], x_TK[1], w_ENK[1])
+
+
+@dispatcher_op("grouped_linear_fwd", fake=_grouped_fwd_fake, flops=_grouped_fwd_flops)
 def grouped_linear_fwd(
     x_TK: torch.Tensor,
     w_ENK: torch.Tensor,
@@ -119,7 +125,11 @@ def _grouped_swiglu_fwd_fake(x_TK, wg_ENK, wu_ENK, offsets, save_h):
     return x_TK.new_empty((T, N)), x_TK.new_empty((T, 2 * N) if save_h else (0,))
 
 
-@dispatcher_op("grouped_swiglu_fwd", fake=_grouped_swiglu_fwd_fake)
+def _grouped_swiglu_fwd_flops(x_TK, wg_ENK, *_, out_shape):
+    return 2 * gemm_flops(x_TK[0], x_TK[1], wg_ENK[1])  # the gate and the up products
+
+
+@dispatcher_op("grouped_swiglu_fwd", fake=_grouped_swiglu_fwd_fake, flops=_grouped_swiglu_fwd_flops)
 def grouped_swiglu_fwd(
     x_TK: torch.Tensor, wg_ENK: torch.Tensor, wu_ENK: torch.Tensor, offsets: torch.Tensor, save_h: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +142,89 @@ def grouped_swiglu_fwd(
         x_TK, wg_ENK.transpose(1, 2), wu_ENK.transpose(1, 2), offsets, y, h if save_h else None
     )
     return y, h
+
+
+def _grouped_bwd_fake(dy_TN, x_TK, w_ENK, offsets, z_TN, activation, needs):
+    need_dx, need_dw, _, need_db = needs
+    return (
+        x_TK.new_empty(x_TK.shape if need_dx else (0,)),
+        w_ENK.new_empty(w_ENK.shape if need_dw else (0,)),
+        w_ENK.new_empty(w_ENK.shape[:2] if need_db else (0,)),
+    )
+
+
+def _grouped_bwd_flops(dy_TN, x_TK, w_ENK, offsets, z_TN, activation, needs, *, out_shape):
+    return (needs[0] + needs[1]) * gemm_flops(dy_TN[0], x_TK[1], dy_TN[1])  # dx and dweight
+
+
+@dispatcher_op("grouped_linear_bwd", fake=_grouped_bwd_fake, flops=_grouped_bwd_flops)
+def grouped_linear_bwd(
+    dy_TN: torch.Tensor,
+    x_TK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offsets: torch.Tensor,
+    z_TN: torch.Tensor | None,
+    activation: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward: ``(dx [T, K], dweight [E, N, K], dbias [E, N])``, each empty unless ``needs`` (x,
+    weight, offsets, bias) asks for it. The op ``smptk::grouped_linear_bwd``."""
+    need_dx, need_dw, _, need_db = needs
+    dz, _ = _epilogue.activation_backward(dy_TN, z_TN, activation, False, w_ENK.dtype)
+    dx = new_buffer(x_TK.shape if need_dx else (0,), x_TK.dtype, x_TK.device)
+    if need_dx:
+        if w_ENK.shape[1] == 0:
+            dx.zero_()
+        else:
+            _gemm.grouped_matmul(dz, w_ENK, offsets, dx)
+    dw = new_buffer(w_ENK.shape if need_dw else (0,), w_ENK.dtype, w_ENK.device)
+    db = new_buffer(w_ENK.shape[:2] if need_db else (0,), w_ENK.dtype, w_ENK.device)
+    if need_dw or need_db:
+        _gemm.grouped_weight_grad(dz, x_TK, offsets, dw if need_dw else None, db if need_db else None)
+    return dx, dw, db
+
+
+def _grouped_swiglu_bwd_fake(dy_TN, x_TK, wg_ENK, wu_ENK, offsets, h_T2N, needs):
+    E, N, K = wg_ENK.shape
+    return x_TK.new_empty(x_TK.shape if needs[0] else (0,)), wg_ENK.new_empty(
+        (E, 2 * N, K) if needs[1] or needs[2] else (0,)
+    )
+
+
+def _grouped_swiglu_bwd_flops(dy_TN, x_TK, wg_ENK, wu_ENK, offsets, h_T2N, needs, *, out_shape):
+    # dx = dg_e @ w_gate[e] + du_e @ w_up[e]; the weight gradients are one [2N, K] product for either or both
+    gemm = gemm_flops(dy_TN[0], x_TK[1], dy_TN[1])
+    return 2 * gemm * (needs[0] + (needs[1] or needs[2]))
+
+
+@dispatcher_op("grouped_swiglu_bwd", fake=_grouped_swiglu_bwd_fake, flops=_grouped_swiglu_bwd_flops)
+def grouped_swiglu_bwd(
+    dy_TN: torch.Tensor,
+    x_TK: torch.Tensor,
+    wg_ENK: torch.Tensor,
+    wu_ENK: torch.Tensor,
+    offsets: torch.Tensor,
+    h_T2N: torch.Tensor,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton backward: ``(dx [T, K], [dw_gate | dw_up] [E, 2N, K])``, dx empty unless ``needs`` (x,
+    weight_gate, weight_up) asks for it, the weights' empty unless it asks for either. The op
+    ``smptk::grouped_swiglu_bwd``."""
+    need_dx, need_dwg, need_dwu = needs
+    N = wg_ENK.shape[1]
+    dh = _epilogue.swiglu_dh(dy_TN, h_T2N)
+    dx = new_buffer(x_TK.shape if need_dx else (0,), x_TK.dtype, x_TK.device)
+    if need_dx:
+        if N == 0:
+            dx.zero_()
+        else:
+            _gemm.grouped_matmul(dh[:, :N], wg_ENK, offsets, dx, a2_TR=dh[:, N:], b2_ERC=wu_ENK)
+    E, _, K = wg_ENK.shape
+    dw = new_buffer((E, 2 * N, K) if need_dwg or need_dwu else (0,), wg_ENK.dtype, wg_ENK.device)
+    if need_dwg or need_dwu:
+        # [dw_gate | dw_up] = dh_e.T @ x_e: one launch, x read once for both halves.
+        _gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
+    return dx, dw
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -154,21 +247,15 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy_TN):
         x_TK, w_ENK, offsets, z = ctx.saved_tensors
         need_dx, need_dw, _, need_db = ctx.needs
-        dz, _ = _epilogue.activation_backward(dy_TN, z, ctx.activation, False, w_ENK.dtype)
-        dx = dw = db = None
-        if need_dx:
-            dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
-            if w_ENK.shape[1] == 0:
-                dx.zero_()
-            else:
-                _gemm.grouped_matmul(dz, w_ENK, offsets, dx)
-        if need_dw:
-            dw = new_buffer(w_ENK.shape, w_ENK.dtype, w_ENK.device)
-        if need_db:
-            db = new_buffer(w_ENK.shape[:2], w_ENK.dtype, w_ENK.device)
-        if need_dw or need_db:
-            _gemm.grouped_weight_grad(dz, x_TK, offsets, dw, db)
-        return dx, dw, None, db, None, None
+        dx, dw, db = grouped_linear_bwd(dy_TN, x_TK, w_ENK, offsets, z, ctx.activation, list(ctx.needs))
+        return (
+            none_if_empty(dx, need_dx),
+            none_if_empty(dw, need_dw),
+            None,
+            none_if_empty(db, need_db),
+            None,
+            None,
+        )
 
 
 class GroupedSwiGLUFunction(torch.autograd.Function):
@@ -190,21 +277,10 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         x_TK, wg_ENK, wu_ENK, offsets, h = ctx.saved_tensors
         need_dx, need_dwg, need_dwu = ctx.needs
         N = wg_ENK.shape[1]
-        dh = _epilogue.swiglu_dh(dy_TN, h)
-        dx = dwg = dwu = None
-        if need_dx:
-            dx = new_buffer(x_TK.shape, x_TK.dtype, x_TK.device)
-            if N == 0:
-                dx.zero_()
-            else:
-                _gemm.grouped_matmul(dh[:, :N], wg_ENK, offsets, dx, a2_TR=dh[:, N:], b2_ERC=wu_ENK)
-        if need_dwg or need_dwu:
-            # [dw_gate | dw_up] = dh_e.T @ x_e: one launch, x read once for both halves.
-            dw = new_buffer((wg_ENK.shape[0], 2 * N, x_TK.shape[1]), wg_ENK.dtype, wg_ENK.device)
-            _gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
-            dwg = dw[:, :N] if need_dwg else None
-            dwu = dw[:, N:] if need_dwu else None
-        return dx, dwg, dwu, None, None
+        dx, dw = grouped_swiglu_bwd(dy_TN, x_TK, wg_ENK, wu_ENK, offsets, h, list(ctx.needs))
+        dwg = dw[:, :N] if need_dwg else None
+        dwu = dw[:, N:] if need_dwu else None
+        return none_if_empty(dx, need_dx), dwg, dwu, None, None
 
 
 # --- checks and the PyTorch path ------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from smptk.kernels._checks import autocast_inputs, check_input, check_weight
 from smptk.kernels._dispatch import (
     dispatcher_op,
     first_derivative_only,
+    gemm_flops,
     grads_wanted,
     none_if_empty,
     saved_if,
@@ -60,7 +61,11 @@ def _swiglu_fwd_fake(x_MK, wg_NK, wu_NK, save_h, lead):
     return x_MK.new_empty((*lead, N)), x_MK.new_empty((M, 2 * N) if save_h else (0,))
 
 
-@dispatcher_op("swiglu_fwd", fake=_swiglu_fwd_fake)
+def _swiglu_fwd_flops(x_MK, wg_NK, *_, out_shape):
+    return 2 * gemm_flops(x_MK[0], x_MK[1], wg_NK[0])  # g = x @ w_gate.T and u = x @ w_up.T
+
+
+@dispatcher_op("swiglu_fwd", fake=_swiglu_fwd_fake, flops=_swiglu_fwd_flops)
 def swiglu_fwd(
     x_MK: torch.Tensor, wg_NK: torch.Tensor, wu_NK: torch.Tensor, save_h: bool, lead: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +79,48 @@ def swiglu_fwd(
     return y, h
 
 
+def _swiglu_bwd_fake(dy_MN, x_MK, wg_NK, wu_NK, h_M2N, needs):
+    need_dx, need_dwg, need_dwu = needs
+    rows = wg_NK.shape[0] * (need_dwg + need_dwu)
+    return x_MK.new_empty(x_MK.shape if need_dx else (0,)), wg_NK.new_empty((rows, x_MK.shape[1]))
+
+
+def _swiglu_bwd_flops(dy_MN, x_MK, wg_NK, wu_NK, h_M2N, needs, *, out_shape):
+    # dx = dg @ w_gate + du @ w_up (two products), one product per weight gradient asked for
+    return (2 * needs[0] + needs[1] + needs[2]) * gemm_flops(dy_MN[0], x_MK[1], dy_MN[1])
+
+
+@dispatcher_op("swiglu_bwd", fake=_swiglu_bwd_fake, flops=_swiglu_bwd_flops)
+def _swiglu_bwd(
+    dy_MN: torch.Tensor,
+    x_MK: torch.Tensor,
+    wg_NK: torch.Tensor,
+    wu_NK: torch.Tensor,
+    h_M2N: torch.Tensor,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op ``smptk::swiglu_bwd``: ``(dx or empty, the weight gradients asked for, stacked)``: ``[2N, K]``
+    ``[dw_gate; dw_up]`` for both, ``[N, K]`` for one, ``[0, K]`` for none."""
+    need_dx, need_dwg, need_dwu = needs
+    M, N = dy_MN.shape
+    dh = _epilogue.swiglu_dh(dy_MN, h_M2N)
+    dx = new_buffer(x_MK.shape if need_dx else (0,), x_MK.dtype, x_MK.device)
+    if need_dx:
+        if N == 0:
+            dx.zero_()
+        else:
+            _gemm.matmul(dh[:, :N], wg_NK, dx, a2_MK=dh[:, N:], b2_KN=wu_NK)
+    # both: [dw_gate | dw_up] in one GEMM (x read once); one: only its half (a frozen other weight)
+    rows = slice(0, 2 * N) if need_dwg and need_dwu else slice(0, N) if need_dwg else slice(N, 2 * N)
+    dw = new_buffer((N * (need_dwg + need_dwu), x_MK.shape[1]), wg_NK.dtype, wg_NK.device)
+    if need_dwg or need_dwu:
+        if M == 0:
+            dw.zero_()
+        else:
+            _gemm.matmul(dh[:, rows].t(), x_MK, dw)
+    return dx, dw
+
+
 def swiglu_bwd(
     dy_MN: torch.Tensor,
     x_MK: torch.Tensor,
@@ -84,26 +131,9 @@ def swiglu_bwd(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Triton backward: ``(dx, dw_gate, dw_up)``, each None unless ``needs`` asks for it."""
     need_dx, need_dwg, need_dwu = needs
-    M, N = dy_MN.shape
-    dh = _epilogue.swiglu_dh(dy_MN, h_M2N)
-    dx = dwg = dwu = None
-    if need_dx:
-        dx = new_buffer(x_MK.shape, x_MK.dtype, x_MK.device)
-        if N == 0:
-            dx.zero_()
-        else:
-            _gemm.matmul(dh[:, :N], wg_NK, dx, a2_MK=dh[:, N:], b2_KN=wu_NK)
-    if need_dwg or need_dwu:
-        # both: [dw_gate | dw_up] in one GEMM (x read once); one: only its half (a frozen other weight)
-        rows = slice(0, 2 * N) if need_dwg and need_dwu else slice(0, N) if need_dwg else slice(N, 2 * N)
-        dw = new_buffer((rows.stop - rows.start, x_MK.shape[1]), wg_NK.dtype, wg_NK.device)
-        if M == 0:
-            dw.zero_()
-        else:
-            _gemm.matmul(dh[:, rows].t(), x_MK, dw)
-        dwg = dw[:N] if need_dwg else None
-        dwu = dw[-N:] if need_dwu else None
-    return dx, dwg, dwu
+    dx, dw = _swiglu_bwd(dy_MN, x_MK, wg_NK, wu_NK, h_M2N, [bool(n) for n in needs])
+    N = wg_NK.shape[0]
+    return none_if_empty(dx, need_dx), (dw[:N] if need_dwg else None), (dw[-N:] if need_dwu else None)
 
 
 class SwiGLUFunction(torch.autograd.Function):

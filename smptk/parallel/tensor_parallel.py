@@ -77,6 +77,7 @@ Example (every rank of a 2-rank tensor-parallel job)::
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
 from smptk.kernels._checks import ACTIVATIONS, SUPPORTED_DTYPES, autocast_inputs
-from smptk.kernels._dispatch import dispatcher_op, first_derivative_only
+from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, gemm_flops
 from smptk.kernels._triton import kernel_module
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
 
@@ -566,7 +567,11 @@ def _row_parallel_fake(x, w, group_name, dim, max_sms):
     return x.new_empty(shape)
 
 
-@dispatcher_op("row_parallel_linear_fwd", fake=_row_parallel_fake)
+def _row_parallel_flops(x, w, *_, out_shape):
+    return gemm_flops(math.prod(x[:-1]), x[-1], w[0])  # this rank's partial product (the reduction adds)
+
+
+@dispatcher_op("row_parallel_linear_fwd", fake=_row_parallel_fake, flops=_row_parallel_flops)
 def _row_parallel_fwd(
     x: torch.Tensor, w: torch.Tensor, group_name: str, dim: int, max_sms: int | None
 ) -> torch.Tensor:
