@@ -49,7 +49,7 @@ from bench.timing import CLOCK, summarize
 from bench.tp_dist import DEFAULT_COMM_MAX_SMS, pair_flops, reference, shape_for
 from smptk.comm import fused_linear as _fl  # the fused ops' kernel-level entry points (private)
 from smptk.comm.simulated import SimulatedWorld, world_mode_label
-from smptk.kernels._checks import ACTIVATION_CODES
+from smptk.kernels._epilogue import ACTIVATION_CODES
 
 pytestmark = pytest.mark.benchmark(timer=CLOCK, disable_gc=True, warmup=False)
 

@@ -656,7 +656,6 @@ def variants(full: bool | None = None) -> list[Variant]:
     Imports the kernel modules for their configs, block sizes and codes only.
     """
     from smptk import settings
-    from smptk.kernels._checks import ACTIVATION_CODES
     from smptk.kernels.heap_layout import OPS
 
     if full is None:
@@ -668,7 +667,7 @@ def variants(full: bool | None = None) -> list[Variant]:
     )
 
     blocks = {
-        "act_names": {code: (name or "noact") for name, code in ACTIVATION_CODES.items()},
+        "act_names": {code: (name or "noact") for name, code in epilogue.ACTIVATION_CODES.items()},
         "act_bwd": dict(epilogue._ACT_BWD_BLOCK),
         "act_bwd_strided": dict(epilogue._ACT_BWD_BLOCK_STRIDED),
         "colsum": epilogue._COLSUM_BLOCK_N,

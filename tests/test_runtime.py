@@ -419,40 +419,6 @@ def test_torch_path_compiles_in_one_graph():
     assert proc.returncode == 0 and "COMPILED OK" in proc.stdout, proc.stderr[-4000:]
 
 
-COMPILED_TRITON_PATH_FIRST = textwrap.dedent(
-    """
-    import torch
-    from smptk.kernels import fused_linear, grouped_swiglu, swiglu
-
-    def block(x, w, wg, wu, weg, weu, off):
-        h = swiglu(fused_linear(x, w, activation="gelu"), wg, wu)
-        return grouped_swiglu(h, weg, weu, off)
-
-    shapes = ((7, 12), (9, 12), (5, 9), (5, 9), (3, 4, 5), (3, 4, 5))
-    args = [torch.randn(*s).requires_grad_() for s in shapes] + [torch.tensor([0, 3, 3, 7])]
-    out = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=True)(*args)  # before any call
-    got = torch.autograd.grad(out.square().sum(), args[:6])
-    assert "triton" in __import__("sys").modules
-    out2 = block(*args)
-    want = torch.autograd.grad(out2.square().sum(), args[:6])
-    torch.testing.assert_close(out, out2)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    print("COMPILED FIRST OK")
-    """
-)
-
-
-@pytest.mark.skipif(not runtime.triton_available(), reason="triton is not installed: no interpreter to set")
-@pytest.mark.skipif(old_interpreter_reason() is not None, reason=str(old_interpreter_reason()))
-def test_triton_path_compiles_in_one_graph_on_a_first_call():
-    """A process whose first Triton-path call is under ``torch.compile(fullgraph=True)``: the host code reads
-    the activation codes and Triton's interpreter state without loading a kernel module (which Dynamo
-    refused: an import, a lock), so it traces in one graph and matches eager."""
-    proc = _run_child(COMPILED_TRITON_PATH_FIRST, interpret=True)
-    assert proc.returncode == 0 and "COMPILED FIRST OK" in proc.stdout, proc.stderr[-4000:]
-
-
 def _transformed_calls():
     """(name, smptk call, plain-torch call) under a torch.func transform or forward-mode AD, each returning
     a tensor computed through the transform."""

@@ -71,8 +71,6 @@ from smptk.comm import functional
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
-    ACT_NONE,
-    ACTIVATION_CODES,
     autocast_inputs,
     check_activation,
     check_float_tensor,
@@ -238,7 +236,7 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, act: int, g, programs: int, max_sms, want_gathered: bool, grad_on: bool):
-        save_z = act != ACT_NONE and any(grads_wanted(ctx, grad_on, 3))
+        save_z = act != _epilogue.ACT_NONE and any(grads_wanted(ctx, grad_on, 3))
         out, gathered, z = _all_gather_linear_fwd(
             x, w, bias, act, save_z, want_gathered, g.group_name, programs
         )
@@ -264,7 +262,7 @@ class _AllGatherLinear(torch.autograd.Function):
             gathered = x_block.new_empty((world * x_block.shape[0], x_block.shape[1]))
             _coll.all_gather_into_tensor(gathered, x_block, ctx.group, max_sms=ctx.max_sms)
         dx_full, dw, _ = _fl.fused_linear_bwd(
-            dz, gathered, w, None, ACT_NONE, (need_dx and why is not None, need_dw, False)
+            dz, gathered, w, None, _epilogue.ACT_NONE, (need_dx and why is not None, need_dw, False)
         )
         dx = None
         if need_dx and why is None:
@@ -330,7 +328,7 @@ def all_gather_linear(
         if why is not None and algorithm == "fused":
             raise ValueError(f"algorithm: 'fused' cannot run this call: {why}")
     if why is None:
-        act = ACTIVATION_CODES[activation]
+        act = _epilogue.ACTIVATION_CODES[activation]
         want = gathered_out is not None
         args = (x, weight_local, bias, act, g, programs, max_sms, want, torch.is_grad_enabled())
         out, gathered = _AllGatherLinear.apply(*args)
@@ -369,13 +367,13 @@ class _LinearReduceScatter(torch.autograd.Function):
         dx = None
         if why is None:
             dx, dy_full, _ = _all_gather_linear_fwd(
-                dy, wt, None, ACT_NONE, False, True, ctx.group.group_name, ctx.programs
+                dy, wt, None, _epilogue.ACT_NONE, False, True, ctx.group.group_name, ctx.programs
             )
         else:
             dy_full = dy.new_empty((world * dy.shape[0], dy.shape[1]))
             _coll.all_gather_into_tensor(dy_full, dy, ctx.group, max_sms=ctx.max_sms)
         dx_unfused, dw, db = _fl.fused_linear_bwd(
-            dy_full, x, w, None, ACT_NONE, (need_dx and why is not None, need_dw, need_db)
+            dy_full, x, w, None, _epilogue.ACT_NONE, (need_dx and why is not None, need_dw, need_db)
         )
         if dx is None:
             dx = dx_unfused

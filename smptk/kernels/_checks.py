@@ -6,17 +6,6 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
-# The kernels' activation codes (``_epilogue``'s ``ACTIVATION`` constexpr). Here, not in the kernel module,
-# so the host code of a Triton-path call reads them without importing triton: under torch.compile that
-# import, on a first call, would be a graph break.
-ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3, 4
-ACTIVATION_CODES = {
-    None: ACT_NONE,
-    "relu": ACT_RELU,
-    "gelu": ACT_GELU,
-    "gelu_tanh": ACT_GELU_TANH,
-    "silu": ACT_SILU,
-}
 
 
 def check_float_tensor(name: str, t: object) -> torch.Tensor:

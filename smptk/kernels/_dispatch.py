@@ -11,15 +11,12 @@ outputs' shapes) and returns a caller that
   checkpointing (:mod:`smptk.parallel.checkpointing`) keeps those outputs instead of running the kernel
   again in backward, and a FakeTensorMode gets the outputs' shapes without a launch.
 
-Under ``torch.compile`` (and strict ``torch.export``) the kernels' ops (``local=True``: fused_linear,
-swiglu, the grouped ops, forward and backward) are nodes of the graph: Dynamo traces the op call, not the
-Triton launcher's host code (which it cannot trace: under the interpreter it traced into the interpreter and
-failed), AOTAutograd traces the autograd Function's forward and backward through the ops' fake
-implementations, and the compiled code calls the ops, which launch the kernels as eagerly. So
-``fullgraph=True`` and dynamic shapes take the Triton path as they take the PyTorch path. The other ops
-(collectives, and the layers that run one) break the graph instead (``torch.compiler.disable``) and run as
-they do eagerly; so do the MoE kernels, which are not dispatcher ops (:func:`outside_graphs`) and read
-token counts on the host.
+``torch.compile`` does not trace the caller (``torch.compiler.disable``): Dynamo cannot trace a Triton
+launcher's host code (under the interpreter it traced into the interpreter and failed), so it breaks the
+graph there and the op, with its autograd Function, runs as it does eagerly (the MoE kernels, which are not
+dispatcher ops, take :func:`outside_graphs` alone). ``fullgraph=True`` therefore refuses the Triton path;
+the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) of the dense ops is traced into
+the graph, while the grouped ops and the MoE chain break it where they read token counts on the host.
 
 FLOPs: ``dispatcher_op(..., flops=formula)`` gives an op its count of matmul FLOPs, taken from the shapes of
 its arguments, for ``torch.utils.flop_counter.FlopCounterMode`` (MFU measurements). The GEMM ops' backwards
@@ -117,15 +114,13 @@ def outside_graphs(fn: Callable) -> Callable:
 
 
 def dispatcher_op(
-    name: str, *, fake: Callable, flops: Callable | None = None, local: bool = False
+    name: str, *, fake: Callable, flops: Callable | None = None
 ) -> Callable[[Callable], Callable]:
     """Register the decorated function as ``torch.ops.smptk.<name>`` and return its caller (see the module
-    docstring). ``fake`` takes the same arguments and returns empty outputs of the eager function's shapes,
-    dtypes and strides; the decorated function must be fully annotated (torch infers the op's schema from
-    its annotations). ``flops``: the op's matmul FLOPs for FlopCounterMode, from the arguments' shapes (a
-    tensor's ``torch.Size``, None and the other arguments as they are) and ``out_shape`` (the outputs'
-    sizes). ``local``: the op computes its outputs from its inputs alone (a kernel: no collective, no other
-    effect), so under ``torch.compile`` it is a node of the graph; without it, a graph break."""
+    docstring). ``fake`` takes the same arguments and returns empty outputs of the right shapes; the
+    decorated function must be fully annotated (torch infers the op's schema from its annotations).
+    ``flops``: the op's matmul FLOPs for FlopCounterMode, from the arguments' shapes (a tensor's
+    ``torch.Size``, None and the other arguments as they are) and ``out_shape`` (the outputs' sizes)."""
 
     def register(impl: Callable) -> Callable:
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
@@ -135,17 +130,10 @@ def dispatcher_op(
         if flops is not None:
             FLOPS[packet.overloadpacket] = flops
 
-        # see the module docstring: under torch.compile a graph break, then as eagerly
-        @outside_graphs
-        @functools.wraps(impl)
-        def run(*args):
-            return _run(op, impl, args)
-
+        @outside_graphs  # see the module docstring: under torch.compile, a graph break, then eager
         @functools.wraps(impl)
         def call(*args):
-            if local and torch.compiler.is_compiling():
-                return op(*args)  # a node of the graph: Dynamo traces the op call, not the Triton launch
-            return run(*args)
+            return _run(op, impl, args)
 
         call.op = packet
         return call

@@ -4,8 +4,8 @@ Part of the private GEMM engine (``_gemm.py`` holds the GEMM kernel, schedule an
 the int64 row and expert index helpers; this file the elementwise math). Every op that multiplies
 (fused_linear, swiglu, grouped_linear, grouped_swiglu) uses these, so each exists once:
 
-- ``activation_fwd`` / ``activation_grad``: act(z) and act'(z) in fp32, by integer code (``ACT_*``, in
-  ``_checks.py``); the GEMM epilogue applies the first, ``activation_backward`` the second.
+- ``activation_fwd`` / ``activation_grad``: act(z) and act'(z) in fp32, by integer code (``ACT_*``); the
+  GEMM epilogue applies the first, ``activation_backward`` the second.
 - ``activation_backward``: ``dz = dy * act'(z)`` plus the column sums of dz (the bias gradient) as
   per-row-chunk fp32 partials and a second deterministic pass (no atomics).
 - ``swiglu_dh``: ``dh = [dy * u * silu'(g) | dy * silu(g)]`` from ``h = [g | u]``.
@@ -21,8 +21,16 @@ import torch
 
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
-from smptk.kernels._checks import ACT_NONE
 from smptk.kernels._triton import tl, triton
+
+ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3, 4
+ACTIVATION_CODES = {
+    None: ACT_NONE,
+    "relu": ACT_RELU,
+    "gelu": ACT_GELU,
+    "gelu_tanh": ACT_GELU_TANH,
+    "silu": ACT_SILU,
+}
 
 # Globals read inside @triton.jit must be tl.constexpr (the compiler rejects plain Python globals; the
 # interpreter does not, so CPU tests cannot catch this). Keep tensors on the left of each product.

@@ -68,8 +68,7 @@ import torch
 from smptk import settings
 from smptk._precision import tf32_matmul
 from smptk.kernels import runtime
-from smptk.kernels._checks import ACT_NONE, ACTIVATION_CODES
-from smptk.kernels._epilogue import activation_fwd
+from smptk.kernels._epilogue import ACT_NONE, ACTIVATION_CODES, activation_fwd
 from smptk.kernels._index import expert_row_tile, expert_rows, row_tile_bound, swizzle
 from smptk.kernels._triton import HAVE_TRITON, ensure_allocator, tl, triton
 from smptk.kernels.collectives import _BLOCKS_WORD, _expired, _i64, _region

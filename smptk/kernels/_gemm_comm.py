@@ -85,7 +85,7 @@ from typing import Any
 import torch
 
 from smptk.kernels import _gemm
-from smptk.kernels._checks import ACT_NONE
+from smptk.kernels._epilogue import ACT_NONE
 from smptk.kernels._gemm import (
     DUAL_NONE,
     GROUP_RANKS,
@@ -442,7 +442,7 @@ def specializations(*, full: bool = False) -> list[Specialization]:
     the all-gather GEMM computes ``linear_reduce_scatter``'s input gradient, the GEMM + reduce-scatter
     ``all_gather_linear``'s (names ``*_bwd``)."""
     from smptk.kernels import collectives
-    from smptk.kernels._checks import ACTIVATION_CODES
+    from smptk.kernels._epilogue import ACTIVATION_CODES
 
     common = dict(COMM_PROGRAMS=8, BLOCK=collectives.BLOCK, USE_CLOCK=True, SIMULATED=False)
     kernels = {  # name of the forward it serves -> (kernel, backward name, constexprs, aligned ints)

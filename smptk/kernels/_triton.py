@@ -51,8 +51,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from smptk import settings
 
 if TYPE_CHECKING:  # resolved on first access by __getattr__ below
@@ -216,11 +214,6 @@ def interpreter_at_import() -> bool | None:
     if "INTERPRETER_AT_IMPORT" not in _LOADED:
         if "triton" not in sys.modules:
             return None
-        if torch.compiler.is_compiling():
-            # the state a load would record, read without loading (Dynamo cannot trace the load: a lock,
-            # globals(); so a first Triton-path call under fullgraph=True failed); the kernel modules load
-            # when the compiled code first launches, and the next call recompiles once, for the new state
-            return _library_interpreted(sys.modules["triton.language"])
         _load()
     return _LOADED["INTERPRETER_AT_IMPORT"]
 

@@ -44,8 +44,6 @@ import torch.nn.functional as F
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
-    ACT_NONE,
-    ACTIVATION_CODES,
     autocast_inputs,
     check_activation,
     check_float_tensor,
@@ -78,7 +76,7 @@ def _fused_linear_fwd_flops(x_MK, w_NK, *_, out_shape):
     return gemm_flops(x_MK[0], x_MK[1], w_NK[0])
 
 
-@dispatcher_op("fused_linear_fwd", fake=_fused_linear_fwd_fake, flops=_fused_linear_fwd_flops, local=True)
+@dispatcher_op("fused_linear_fwd", fake=_fused_linear_fwd_fake, flops=_fused_linear_fwd_flops)
 def fused_linear_fwd(
     x_MK: torch.Tensor,
     w_NK: torch.Tensor,
@@ -113,7 +111,7 @@ def _fused_linear_bwd_flops(dy_MN, x_MK, w_NK, z_MN, activation, needs, *, out_s
     return (needs[0] + needs[1]) * gemm_flops(dy_MN[0], x_MK[1], dy_MN[1])  # dx = dz @ w, dw = dz.T @ x
 
 
-@dispatcher_op("fused_linear_bwd", fake=_fused_linear_bwd_fake, flops=_fused_linear_bwd_flops, local=True)
+@dispatcher_op("fused_linear_bwd", fake=_fused_linear_bwd_fake, flops=_fused_linear_bwd_flops)
 def _fused_linear_bwd(
     dy_MN: torch.Tensor,
     x_MK: torch.Tensor,
@@ -160,7 +158,7 @@ class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK, bias_N, activation: int, grad_enabled: bool, lead: list[int]):
         ctx.needs = needs = grads_wanted(ctx, grad_enabled, 3)
-        save_z = activation != ACT_NONE and any(needs)
+        save_z = activation != _epilogue.ACT_NONE and any(needs)
         y, z = fused_linear_fwd(x_MK, w_NK, bias_N, activation, save_z, lead)
         # x only for dw, w only for dx (frozen weights: x is not kept, as with F.linear)
         ctx.save_for_backward(saved_if(x_MK, needs[1]), saved_if(w_NK, needs[0]), none_if_empty(z, save_z))
@@ -234,5 +232,5 @@ def fused_linear(
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the epilogue reads bias as a contiguous [N] vector
-    act = ACTIVATION_CODES[activation]
+    act = _epilogue.ACTIVATION_CODES[activation]
     return FusedLinearFunction.apply(x_MK, weight, bias, act, torch.is_grad_enabled(), list(lead))

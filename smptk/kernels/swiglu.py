@@ -65,7 +65,7 @@ def _swiglu_fwd_flops(x_MK, wg_NK, *_, out_shape):
     return 2 * gemm_flops(x_MK[0], x_MK[1], wg_NK[0])  # g = x @ w_gate.T and u = x @ w_up.T
 
 
-@dispatcher_op("swiglu_fwd", fake=_swiglu_fwd_fake, flops=_swiglu_fwd_flops, local=True)
+@dispatcher_op("swiglu_fwd", fake=_swiglu_fwd_fake, flops=_swiglu_fwd_flops)
 def swiglu_fwd(
     x_MK: torch.Tensor, wg_NK: torch.Tensor, wu_NK: torch.Tensor, save_h: bool, lead: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,7 @@ def _swiglu_bwd_flops(dy_MN, x_MK, wg_NK, wu_NK, h_M2N, needs, *, out_shape):
     return (2 * needs[0] + needs[1] + needs[2]) * gemm_flops(dy_MN[0], x_MK[1], dy_MN[1])
 
 
-@dispatcher_op("swiglu_bwd", fake=_swiglu_bwd_fake, flops=_swiglu_bwd_flops, local=True)
+@dispatcher_op("swiglu_bwd", fake=_swiglu_bwd_fake, flops=_swiglu_bwd_flops)
 def _swiglu_bwd(
     dy_MN: torch.Tensor,
     x_MK: torch.Tensor,

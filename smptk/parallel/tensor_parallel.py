@@ -92,13 +92,14 @@ from smptk.comm import collectives as _coll
 from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
-from smptk.kernels._checks import ACT_NONE, ACTIVATIONS, SUPPORTED_DTYPES, autocast_inputs
+from smptk.kernels._checks import ACTIVATIONS, SUPPORTED_DTYPES, autocast_inputs
 from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, gemm_flops
 from smptk.kernels._triton import kernel_module
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
 
 PATHS = ("fused", "unfused")  # what ``last_path`` can say
 _fl = kernel_module("smptk.kernels.fused_linear")
+_epilogue = kernel_module("smptk.kernels._epilogue")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -602,7 +603,7 @@ class _RowParallelLinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         if runtime.select_path(x, w) == "triton":
             dx, dw, _ = _fl.fused_linear_bwd(
-                g2.contiguous(), x2, w, None, ACT_NONE, (need_dx, need_dw, False)
+                g2.contiguous(), x2, w, None, _epilogue.ACT_NONE, (need_dx, need_dw, False)
             )
         else:
             dx = g2 @ w if need_dx else None
