@@ -15,7 +15,9 @@ parallelism, FSDP2 through ``apply_data_parallel``, activation checkpointing), a
   checkpointing caches the op outputs it keeps where no hook sees them), so checkpointed runs are read
   from ``live``; with no checkpointing both are returned and must agree.
 
-Parameters, buffers and the loss are never counted. A storage is counted once however many tensors
+Parameters, buffers and the loss are never counted, nor FSDP2's unsharded parameters (the planner's
+transient "FSDP2 gathered parameters": on a 1-rank shard group FSDP2 copies the parameters into them, so
+autograd saves copies, not the parameters). A storage is counted once however many tensors
 view it (q / k / v share one input; the attention output is o_proj's input). ``live`` cannot see the
 forward's inputs (they exist before it), so the ones autograd saved (the token ids an embedding keeps)
 are added to it from the hooks.
@@ -150,6 +152,24 @@ class _LiveStorages(TorchDispatchMode):
         return out
 
 
+def _fsdp_params(model: torch.nn.Module) -> list:
+    """The ``FSDPParam`` records of every FSDP2 module under ``model`` (torch's internals: FSDP2 has no
+    public way to reach the unsharded parameters it computes on)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        out += group.fsdp_params if group is not None else []
+    return out
+
+
+def _unsharded(fsdp_params: list) -> set[int]:
+    """Storage addresses of the allocated unsharded parameters among ``fsdp_params``."""
+    tensors = (getattr(p, "_unsharded_param", None) for p in fsdp_params)
+    return {_storage(t).data_ptr() for t in tensors if t is not None and _storage(t).nbytes()}
+
+
 def measure_activations(model: torch.nn.Module, forward, inputs: tuple = ()) -> tuple[torch.Tensor, dict]:
     """Run ``forward()`` (-> the loss) and count what it leaves for backward (see the module docstring).
 
@@ -159,18 +179,21 @@ def measure_activations(model: torch.nn.Module, forward, inputs: tuple = ()) -> 
     tensors = itertools.chain(model.parameters(), model.buffers())
     skip = {_storage(t).data_ptr() for t in tensors}
     older = skip | {_storage(t).data_ptr() for t in inputs}
+    fsdp_params = _fsdp_params(model)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = _storage(t)
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
+        ptr = storage.data_ptr()
+        if ptr not in skip and not (fsdp_params and ptr in _unsharded(fsdp_params)):
+            saved[ptr] = storage.nbytes()
         return t
 
     mode = _LiveStorages()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
         loss = forward()
     older.add(_storage(loss).data_ptr())
+    older |= _unsharded(fsdp_params)  # the root unit's stay allocated from forward to backward
     gc.collect()
     live: dict[int, int] = {}
     for ref in mode.refs:
@@ -391,6 +414,40 @@ def run_delayed_init() -> dict:
         parallel.materialize(module, state, allow_uninitialized=True)  # HF's norms have no reset_parameters
         states = _step_states(module, 1, hf["vocab_size"])
         return {"gathered": states.pop("gathered"), "states": states, "engine": report.data_parallel.engine}
+    finally:
+        parallel.reset()
+
+
+# Activations of a Hugging Face Llama prepared with transform (one process, a 1-rank group, tp 1): the
+# estimate counts smptk's reference transformer, and test_planner_validation checks that this model keeps
+# exactly the README's stated excess over it. MICRO_BATCH 2: RoPE's tables are [1, s, d] whatever the batch.
+HF_LLAMA = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+    "max_position_embeddings": SEQ,
+}  # fmt: skip
+
+
+def run_hf_activations(attention: str, checkpointing: str, mixed_precision: str) -> dict:
+    """What one forward of ``HF_LLAMA`` (``attn_implementation=attention``) through ``transform`` leaves for
+    backward (:func:`measure_activations`), after one forward and backward that allocate what is lazy."""
+    import transformers
+
+    import smptk.parallel as parallel
+
+    config = {"activation_checkpointing": checkpointing, "mixed_precision": mixed_precision}
+    torch.manual_seed(0)
+    net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_LLAMA, attn_implementation=attention))
+    ids = torch.randint(
+        0, HF_LLAMA["vocab_size"], (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0)
+    )
+    try:
+        module, _ = parallel.transform(net, config)
+        with kernels("torch"):
+            module(ids, labels=ids).loss.backward()
+            module.zero_grad(set_to_none=True)
+            _, measured = measure_activations(module, lambda: module(ids, labels=ids).loss, (ids,))
+        return measured
     finally:
         parallel.reset()
 

@@ -13,6 +13,9 @@ parallelism and measures it (``tests/planner_jobs.py``):
   storages under the local shards, each counted once. Also on Hugging Face models through ``transform``:
   every configuration ``advise`` ranks for a tiny Llama and Mixtral on 4 ranks, and the delayed-
   initialization flow (built on meta, replicated on FSDP2) on 2.
+- A Hugging Face Llama through ``transform`` (one process, tp 1, fp32 and bf16, sdpa and eager, each
+  checkpointing mode) must keep exactly the estimate plus the excess the README states for it
+  (:func:`hf_llama_excess`: Hugging Face's RMSNorm, RoPE tables, the blocks' call arguments, its loss).
 - Activations must be within 10% of the estimate (they come out within 0.5% here): what one forward of
   the model and its loss leaves for backward, counted by saved-tensor hooks (no checkpointing) and by the
   storages created in the forward that outlive it (full and selective checkpointing, which keep tensors
@@ -219,6 +222,62 @@ def test_delayed_initialization_holds_the_estimated_states(world2) -> None:
 
 
 HEAP_BYTES = 2**20 + 16  # a data region that is not whole pages: the segment rounds it up
+
+
+HF_CASES = [
+    (attention, checkpointing, mp)
+    for mp in ("fp32", "bf16")
+    for attention in ("sdpa", "eager")
+    for checkpointing in ("none", "full", "selective")
+]
+
+
+def hf_llama_excess(attention: str, checkpointing: str, mixed_precision: str) -> int:
+    """Bytes a Hugging Face Llama prepared with ``transform`` keeps beyond ``estimate_memory``'s activations
+    (tp 1), by the rule the README states: its RMSNorms' extra ``4 T h`` each (every one with no
+    checkpointing, else the final one alone), RoPE's ``[1, s, d]`` cos and sin, under checkpointing the
+    position ids (and under eager attention the additive mask) the blocks are called with, eager's
+    attention without the boolean mask (and in 16 bits with its fp32 softmax), the loss's total weight and
+    at b = 1 the padded labels' extra element."""
+    spec = from_hf_config({"model_type": "llama", **jobs.HF_LLAMA})
+    B = 4 if mixed_precision == "fp32" else 2
+    b, s, h, L, a, d = (
+        jobs.MICRO_BATCH,
+        jobs.SEQ,
+        spec.hidden_size,
+        spec.num_layers,
+        spec.num_heads,
+        spec.head_dim,
+    )
+    T = b * s
+    norms = 2 * L + 1 if checkpointing == "none" else 1
+    excess = norms * 4 * T * h + 2 * s * d * B + 4 + (8 if b == 1 else 0)
+    if checkpointing != "none":
+        excess += 8 * s + (b * s * s * B if attention == "eager" else 0)
+    elif attention == "eager":
+        excess += -L * s * s + (4 * L * b * a * s * s if B == 2 else 0)
+    return excess
+
+
+@pytest.mark.parametrize(("attention", "checkpointing", "mp"), HF_CASES, ids=["-".join(c) for c in HF_CASES])
+def test_hugging_face_llama_keeps_the_stated_excess(attention: str, checkpointing: str, mp: str) -> None:
+    """A transformed Hugging Face Llama keeps exactly the estimate plus :func:`hf_llama_excess` (FSDP2's
+    unsharded parameters, which a 1-rank shard group computes on, are the plan's transients, not counted)."""
+    with one_rank_group():
+        measured = jobs.run_hf_activations(attention, checkpointing, mp)
+    config = {"activation_checkpointing": checkpointing, "mixed_precision": mp}
+    est = estimate_memory(
+        from_hf_config({"model_type": "llama", **jobs.HF_LLAMA}), config, seq_len=jobs.SEQ,
+        micro_batch=jobs.MICRO_BATCH, world_size=1, loss="gathered",
+        attention="flash" if attention == "sdpa" else "materialized",
+    )  # fmt: skip
+    if checkpointing == "none":
+        assert measured["live"] == measured["hooks"], measured
+    got = measured["hooks"] if checkpointing == "none" else measured["live"]
+    predicted = est.activation_bytes + hf_llama_excess(attention, checkpointing, mp)
+    assert got == predicted, (
+        f"measured {got} B, estimate + stated excess {predicted} B ({got / predicted:.4f})"
+    )
 
 
 def test_symmetric_heaps_are_what_a_step_allocates() -> None:

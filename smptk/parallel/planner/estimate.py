@@ -71,7 +71,12 @@ checkpointed inputs to pinned host memory and keeps at most ``activation_loading
 the GPU; the host bytes are reported (not in the GPU total). Korthikanti et al. (2022) count
 ``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no dropout and a SwiGLU MLP, so its
 terms differ, and they are checked against what autograd really keeps (tests/test_planner_validation.py:
-within 10%; the dense, tensor-parallel and MoE terms come out within 0.5% at its small shapes).
+within 10%; the dense, tensor-parallel and MoE terms come out within 0.5% at its small shapes). A Hugging
+Face Llama prepared with :func:`~smptk.parallel.transform` keeps more, measured exactly at tp 1: ``4 T h``
+per Hugging Face RMSNorm autograd keeps (all ``2L + 1`` with no checkpointing, the final one under "full" and
+"selective"), RoPE's ``[1, s, d]`` cos and sin ``2 s d B``, under checkpointing the blocks' position ids
+``8 s`` (and eager attention's additive mask ``b s^2 B``), eager without checkpointing no boolean mask but
+in 16 bits its fp32 softmax ``4 b a_t s^2`` per block (README, Memory planning).
 
 **Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
 gathered from forward to backward; a block and its prefetched successor; on a 1-rank shard group FSDP2 copies
