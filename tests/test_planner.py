@@ -745,6 +745,27 @@ def test_plan_names_a_model_or_cluster_file_that_is_not_json(capsys, tmp_path) -
     assert f"--instance: {str(bad)!r} is not valid JSON" in capsys.readouterr().err
 
 
+def test_plan_names_a_file_argument_it_cannot_read(capsys, tmp_path) -> None:
+    """A --config or --instance path that is a directory, or a --config / --instance / --model file that
+    is not UTF-8, gave the bare "[Errno 21] Is a directory" or "'utf-8' codec can't decode byte",
+    naming neither the flag nor the file."""
+    folder = tmp_path / "cluster.json"
+    folder.mkdir()
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"gpu": "\xd0\xff"}')
+    cases = [
+        (["--instance", "p5", "--config", str(folder)], f"--config: {str(folder)!r} is a directory"),
+        (["--instance", str(folder)], f"--instance: {str(folder)!r} is a directory"),
+        (["--instance", "p5", "--config", str(binary)], f"--config: {str(binary)!r} is not a UTF-8 JSON"),
+        (["--instance", str(binary)], f"--instance: {str(binary)!r} is not a UTF-8 JSON file"),
+    ]
+    for args, match in cases:
+        assert main(["plan", "--model", "llama2-7b", *args]) == 2, args
+        assert match in capsys.readouterr().err, args
+    assert main(["plan", "--model", str(binary), "--instance", "p5"]) == 2
+    assert f"config: {str(binary)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
+
+
 def test_a_model_path_that_does_not_exist_is_named(capsys, tmp_path) -> None:
     """A --model path with no file behind it (or a directory without config.json) gave the bare
     "[Errno 2] No such file or directory", naming neither the argument nor what was expected."""

@@ -400,10 +400,10 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
                 f"config: {path!r} does not exist (expected a Hugging Face config.json, or a checkpoint "
                 "directory holding one)"
             )
-        with open(path) as f:
+        with open(path, "rb") as f:
             try:
-                config = json.load(f)
-            except json.JSONDecodeError as e:
+                config = json.load(f)  # bytes: JSON's own encodings (UTF-8/16/32), not the locale's
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"config: {path!r} is not a JSON Hugging Face config: {e}") from None
     elif hasattr(config, "to_dict") and not isinstance(config, Mapping):
         config = config.to_dict()

@@ -70,22 +70,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def _read_file(flag: str, path: str) -> str:
+    """The text of the file ``path`` given to ``flag``; a directory, an unreadable or a non-UTF-8 file is
+    refused naming the flag and the path (not with the bare ``[Errno 21] Is a directory``)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: {path!r} is a directory, not a JSON file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag}: {path!r} is not a UTF-8 JSON file: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror or e}") from None
+
+
 def _load_config(text: str) -> ParallelConfig:
     """``--config``: inline JSON or a JSON file, both parsed by ParallelConfig (a key given twice refused)."""
     if text.lstrip().startswith("{"):
         return ParallelConfig.from_json_text(text, "--config")
     if not os.path.exists(text):
         raise ValueError(f"--config: {text!r} is neither a JSON object nor a file")
-    return ParallelConfig.from_json(text)
+    return ParallelConfig.from_json_text(_read_file("--config", text), f"config file {text!r}")
 
 
 def _load_cluster(text: str, nodes: int | None):
     if os.path.exists(text) and text.endswith(".json"):
-        with open(text) as f:
-            try:
-                return cluster(json.load(f), nodes)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--instance: {text!r} is not valid JSON: {e}") from None
+        try:
+            return cluster(json.loads(_read_file("--instance", text)), nodes)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--instance: {text!r} is not valid JSON: {e}") from None
     return cluster(text, nodes)
 
 
