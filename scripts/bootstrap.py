@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import venv
@@ -51,6 +50,19 @@ for line in json.loads(sys.argv[1]):
         missing.append(line)
 print(json.dumps(missing))
 """
+
+
+def torch_spec() -> str:
+    """The torch requirement to install: ``$SMPTK_TORCH_SPEC`` read by :func:`smptk.settings.torch_spec`
+    (blank counts as unset, surrounding spaces are dropped), else :data:`DEFAULT_TORCH_SPEC`.
+    ``smptk.settings`` imports only the standard library, so this checkout's copy is read before
+    anything is installed."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from smptk import settings
+    finally:
+        sys.path.remove(str(ROOT))
+    return settings.torch_spec() or DEFAULT_TORCH_SPEC
 
 
 def _read_pyproject() -> dict:
@@ -162,7 +174,7 @@ def main() -> int:
     missing = missing_requirements(python, requirements)
     torch_missing = [r for r in missing if r.split(">")[0].split("=")[0].strip() == "torch"]
     if torch_missing:
-        pip_install(python, [os.environ.get("SMPTK_TORCH_SPEC", DEFAULT_TORCH_SPEC)])
+        pip_install(python, [torch_spec()])
         missing = [r for r in missing if r not in torch_missing]
     if missing:
         pip_install(python, missing)

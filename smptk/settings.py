@@ -242,8 +242,8 @@ _TABLE = (
              "tensor-parallel suite (default by mode)", positive=True),
     Variable("SMPTK_GPU_CHECK", "path", None, "bench/gpu_check.py: the JSON a gpu-check run passes to its "
              "child pytest processes (log file, deadline); set by the parent"),
-    Variable("SMPTK_TORCH_SPEC", "text", None, "make: the torch requirement the venv installs (default "
-             "in the Makefile); read by make, listed here so smptk info shows it"),
+    Variable("SMPTK_TORCH_SPEC", "text", None, "make: the torch requirement scripts/bootstrap.py installs "
+             "in the venv where torch is missing (default: torch==2.13.0, set in that script)"),
 )  # fmt: skip
 VARIABLES: dict[str, Variable] = {v.name: v for v in _TABLE}
 
@@ -382,5 +382,5 @@ def gpu_check() -> str | None:
 
 
 def torch_spec() -> str | None:
-    """``SMPTK_TORCH_SPEC``: the torch requirement ``make`` installs, or None for the Makefile's default."""
+    """``SMPTK_TORCH_SPEC``: the torch requirement ``make`` installs, or None for scripts/bootstrap.py's."""
     return _read("SMPTK_TORCH_SPEC")

@@ -216,15 +216,15 @@ def test_every_variable_has_an_accessor_and_a_meaning():
 
 
 def test_every_smptk_variable_in_the_repository_is_in_the_table():
-    """A variable named anywhere in the package, tests, benchmarks, examples or Makefile is declared here,
-    spelled the same (names of Python constants that merely start with SMPTK_ are listed)."""
+    """A variable named anywhere in the package, tests, benchmarks, examples, scripts or Makefile is declared
+    here, spelled the same (names of Python constants that merely start with SMPTK_ are listed)."""
     import re
     from pathlib import Path
 
     root = Path(settings.__file__).resolve().parent.parent
     files = [
         root / "Makefile",
-        *(p for d in ("smptk", "tests", "bench", "examples") for p in (root / d).rglob("*.py")),
+        *(p for d in ("smptk", "tests", "bench", "examples", "scripts") for p in (root / d).rglob("*.py")),
     ]
     used = set()
     for path in files:
@@ -269,3 +269,28 @@ def test_module_example(monkeypatch):
     monkeypatch.setenv("SMPTK_POISON_OUTPUTS", "0")  # the example sets it; monkeypatch restores it
     result = doctest.testmod(settings, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, "torch==2.13.0"),
+        ("", "torch==2.13.0"),
+        ("  ", "torch==2.13.0"),
+        (" torch==2.11.0 ", "torch==2.11.0"),
+    ],
+    ids=["unset", "empty", "blank", "spaces"],
+)
+def test_bootstrap_reads_the_torch_spec_as_the_table_does(env, value, expected):
+    """scripts/bootstrap.py (make's venv builder) read SMPTK_TORCH_SPEC with os.environ.get, so an empty
+    value (``SMPTK_TORCH_SPEC= make test``) reached pip as the requirement '' instead of the default."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(settings.__file__).resolve().parent.parent / "scripts" / "bootstrap.py"
+    spec = importlib.util.spec_from_file_location("smptk_bootstrap_under_test", path)
+    bootstrap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bootstrap)
+    env(value, "SMPTK_TORCH_SPEC")
+    assert bootstrap.DEFAULT_TORCH_SPEC == "torch==2.13.0"
+    assert bootstrap.torch_spec() == expected
