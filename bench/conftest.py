@@ -16,7 +16,6 @@ the reason and no numbers.
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,16 +23,17 @@ from typing import Any
 import pytest
 import torch
 
-from bench.config import JSONL_ENV, Mode, prepare_process, session_env
+from bench.config import Mode, prepare_process, session_env
 from bench.rows import RowWriter, base_row
 from bench.timing import CLOCK, L2Flusher, summarize
+from smptk import settings
 from smptk._env import current_sm_clock_mhz
 
 MODE = prepare_process()
 
 
 def _sink() -> RowWriter | None:
-    path = os.environ.get(JSONL_ENV)
+    path = settings.bench_jsonl()  # SMPTK_BENCH_JSONL (JSONL_ENV), blank counts as unset
     return RowWriter(Path(path)) if path else None
 
 

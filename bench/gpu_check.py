@@ -67,6 +67,7 @@ from typing import Any
 import pytest
 
 from bench import targets as _targets
+from smptk import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_ENV = "SMPTK_GPU_CHECK"
@@ -101,8 +102,6 @@ class _Watch:
         self.order = bool(cfg.get("order"))
         self.test_timeout_s: float | None = cfg.get("test_timeout_s")
         self.first = 0
-        from smptk import settings
-
         self.torchrun_timeouts = {  # the user's own limits, checked by smptk.settings (None: the default)
             env: settings.VARIABLES[env].read() for env in TORCHRUN_TIMEOUT_ENVS.values()
         }
@@ -115,9 +114,9 @@ class _Watch:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self._log(
             event="start",
-            jsonl=os.environ.get("SMPTK_BENCH_JSONL"),
-            run_id=os.environ.get("SMPTK_BENCH_RUN_ID"),
-            mode=os.environ.get("SMPTK_BENCH_MODE"),
+            jsonl=settings.bench_jsonl(),
+            run_id=settings.bench_run_id(),
+            mode=settings.bench_mode(),
         )
 
     @pytest.hookimpl(trylast=True)
@@ -209,7 +208,7 @@ def ordered(items: Sequence[Any]) -> tuple[list[Any], int]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register :class:`_Watch` when this module is loaded with ``-p bench.gpu_check`` by a gpu-check run."""
-    raw = os.environ.get(PLUGIN_ENV)
+    raw = settings.gpu_check()  # PLUGIN_ENV
     if raw:
         config.pluginmanager.register(_Watch(config, json.loads(raw)), "smptk-gpu-check")
 

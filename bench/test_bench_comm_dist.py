@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from bench.comm_dist import NCCL_MAX_CTAS, PARTS, SUITES, launch, nccl_options_class
-from bench.config import JSONL_ENV, current_mode
+from bench.config import current_mode
 from bench.rows import RowWriter, read_rows, run_id
 from smptk import settings
 
@@ -70,7 +70,7 @@ def test_comm_dist(part: str, tmp_path: Path) -> None:
         args += ["--device", "cpu"]
     n = ranks()
     timeout_s = _timeout_s()
-    sink = os.environ.get(JSONL_ENV)
+    sink = settings.bench_jsonl()
     runs: list[tuple[str, dict[str, str] | None]] = [("", None)]
     runs += [
         (f" with NCCL_MAX_CTAS={c}", {**os.environ, "NCCL_MAX_CTAS": str(c)}) for c in env_cap_runs(part, n)

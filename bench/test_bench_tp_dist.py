@@ -18,12 +18,11 @@ Select with ``-k``: ``python -m bench --filter tp_dist``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from bench.config import JSONL_ENV, current_mode
+from bench.config import current_mode
 from bench.rows import RowWriter, read_rows, run_id
 from bench.tp_dist import SUITE, launch
 from smptk import settings
@@ -57,7 +56,7 @@ def test_tp_dist(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     done = launch(n, [*args, "--jsonl", str(out)], timeout_s=timeout_s)
     rows = list(read_rows(out)) if out.exists() else []
-    sink = os.environ.get(JSONL_ENV)
+    sink = settings.bench_jsonl()
     if sink:
         writer = RowWriter(Path(sink))
         for row in rows:

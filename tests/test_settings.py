@@ -237,6 +237,37 @@ def test_every_smptk_variable_in_the_repository_is_in_the_table():
     assert used - set(settings.VARIABLES) - not_variables == set()
 
 
+def test_no_variable_of_the_table_is_read_past_its_accessor():
+    """smptk, the benchmarks and scripts read a variable of the table only through smptk.settings, never
+    with os.environ / os.getenv, by its name or by a constant that holds it. The benchmarks read
+    SMPTK_BENCH_JSONL raw, so a blank value wrote rows to a file named by the blanks and " rows.jsonl"
+    to a file whose name starts with a space, where smptk.settings reads both as the table documents."""
+    import re
+    from pathlib import Path
+
+    root = Path(settings.__file__).resolve().parent.parent
+    files = [p for d in ("smptk", "bench", "scripts") for p in (root / d).rglob("*.py")]
+    files = [p for p in files if p.resolve() != Path(settings.__file__).resolve()]
+    texts = {p: p.read_text() for p in files}
+    holds = {}  # constants that hold a variable's name: JSONL_ENV = "SMPTK_BENCH_JSONL"
+    for text in texts.values():
+        for const, name in re.findall(r'^\s*([A-Z][A-Z0-9_]*)\s*=\s*"([A-Z][A-Z0-9_]*)"\s*$', text, re.M):
+            holds[const] = name
+    read = re.compile(
+        r"os\.environ\.get\(\s*([^,)]+)|os\.getenv\(\s*([^,)]+)|os\.environ\[([^\]]+)\](?!\s*=[^=])"
+    )
+    found = []
+    for path, text in texts.items():
+        for match in read.finditer(text):
+            arg = next(g for g in match.groups() if g).strip()
+            name = arg.strip("\"'") if arg[0] in "\"'" else holds.get(arg.rsplit(".", 1)[-1])
+            start = text.rfind("\n", 0, match.start()) + 1
+            if name in settings.VARIABLES and not text[start:].lstrip(" >.").startswith("del "):
+                line = text.count("\n", 0, match.start()) + 1
+                found.append(f"{path.relative_to(root)}:{line}: {match.group(0)}")
+    assert found == []
+
+
 def test_triton_interpret_agrees_with_triton():
     """TRITON_INTERPRET is Triton's: ours must read it exactly as Triton's own parser does."""
     libtriton = pytest.importorskip("triton._C.libtriton", reason="triton is not installed")
