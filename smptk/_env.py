@@ -145,13 +145,18 @@ def _kernel_path() -> tuple[bool | None, dict[str, str] | str | None]:
 
 def _settings() -> dict[str, Any]:
     """``{name: {"value", "set"}}`` of every variable in :data:`smptk.settings.VARIABLES` (bad values as
-    "error: ...", paths as "<a path>": no personal data); the meanings stay in the table."""
+    "error: ...", paths as "<a path>": no personal data); the meanings stay in the table.
+
+    A free-text value that holds a path or a URL (``SMPTK_TORCH_SPEC="torch @ file:///home/me/torch.whl"``,
+    a pip requirement) is shown as "<a path>" too: benchmark rows carry this dict into committed results.
+    """
     from smptk import settings
 
     out = {}
     for name, row in settings.snapshot().items():
-        value = row["value"]
-        if settings.VARIABLES[name].kind == "path" and row["set"]:
+        value, kind = row["value"], settings.VARIABLES[name].kind
+        holds_path = kind == "text" and isinstance(value, str) and ("/" in value or "\\" in value)
+        if row["set"] and (kind == "path" or holds_path):
             value = "<a path>"
         out[name] = {"value": value, "set": row["set"]}
     return out

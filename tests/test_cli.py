@@ -162,6 +162,24 @@ def test_info_lists_every_setting_with_its_value(monkeypatch: pytest.MonkeyPatch
     _assert_no_personal_data(text)
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (f"torch @ file://{ROOT}/wheels/torch-2.13.0-cp311-linux_x86_64.whl", "<a path>"),
+        (str(ROOT / "torch-2.13.0-cp311-linux_x86_64.whl"), "<a path>"),
+        ("torch==2.11.0", "torch==2.11.0"),
+    ],
+)
+def test_info_keeps_a_path_in_a_text_setting_out(monkeypatch: pytest.MonkeyPatch, value, shown) -> None:
+    """SMPTK_TORCH_SPEC is free text, and a pip requirement may be a local wheel: smptk info and every
+    benchmark row (which carry this dict into committed results) printed the path as given."""
+    monkeypatch.setenv("SMPTK_TORCH_SPEC", value)
+    env = collect_environment()
+    assert env["settings"]["SMPTK_TORCH_SPEC"] == {"value": shown, "set": True}
+    _assert_no_personal_data(format_info(env))
+    _assert_no_personal_data(json.dumps(env))
+
+
 def test_format_info_gpu_line() -> None:
     env = {
         "smptk": "0.1.0", "torch": "2.11.0", "triton": "3.6.0", "python": "3.12.3", "cuda": "12.8",
