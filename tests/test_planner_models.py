@@ -385,6 +385,26 @@ def test_configs_hf_refuses_are_refused(cfg, match):
         from_hf_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (
+            {**SMALL, "hidden_size": str(SMALL["hidden_size"])},
+            "llama: hidden_size must be a positive int, got '",
+        ),
+        ({**SMALL, "hidden_size": True}, "llama: hidden_size must be a positive int, got True"),
+        ({**_GPT2, "n_embd": "768"}, "gpt2: n_embd must be a positive int, got '768'"),
+    ],
+    ids=["llama-str", "llama-bool", "gpt2-str"],
+)
+def test_a_hidden_size_that_is_not_an_int_is_named(cfg, match):
+    """A config.json with "hidden_size": "4096" failed with the bare TypeError "not all arguments
+    converted during string formatting" (the divisibility check ran '4096' % 32), and True passed that
+    check and was reported as "hidden_size True is not divisible by num_attention_heads"."""
+    with pytest.raises(ValueError, match=match):
+        from_hf_config(cfg)
+
+
 def test_kv_heads_absent_or_none_is_one_per_head():
     for cfg in (
         {k: v for k, v in SMALL.items() if k != "num_key_value_heads"},

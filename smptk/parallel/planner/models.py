@@ -422,6 +422,7 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
     name = name or c.get("_name_or_path") or mt
     if mt == "gpt2":
         h = c.get("n_embd", 768)
+        _positive(name, "n_embd", h)  # a str or bool would break or pass the check below
         heads = c.get("n_head", 12)
         _positive(name, "n_head", heads)
         if h % heads:  # GPT2Attention refuses it; GPT-2 has no head_dim key
@@ -448,6 +449,7 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
             max_position_embeddings=c.get("n_positions", 1024),
         )
     h = c["hidden_size"]
+    _positive(name, "hidden_size", h)  # a str or bool would break or pass the check below
     heads = c["num_attention_heads"]
     _positive(name, "num_attention_heads", heads)
     # None (or no key) is one key / value head per query head, as transformers reads it; 0 is an error
