@@ -680,6 +680,16 @@ def test_plan_json_and_config(capsys, tmp_path) -> None:
     assert doc["sizes"]["dp_shard"] == 8 and doc["fits"] in (True, False) and doc["step"]["step_s"] > 0
 
 
+def test_cluster_description_prints_the_memory_the_plan_uses() -> None:
+    """describe() rounded GiB to whole numbers: the p5's H100 (79.6 GiB, the budget the plan checks) read
+    "80 GiB", the p5en's H200 "131 GiB" where the README says memory_gb 131.3 matches that preset."""
+    assert "(79.6 GiB, 989 TFLOP/s" in cluster("p5.48xlarge").describe()
+    assert "(131.3 GiB," in cluster("p5en.48xlarge").describe()
+    assert "(40 GiB, 312 TFLOP/s" in cluster("p4d.24xlarge").describe()  # README's example output
+    custom = {"gpu": "g", "memory_gb": 131.3, "bf16_tflops": 989, "gpus_per_node": 8, "intra_node_gbps": 450}
+    assert "(131.3 GiB," in cluster({**custom, "inter_node_gbps": 3200}).describe()
+
+
 def test_plan_custom_cluster_file(capsys, tmp_path) -> None:
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({"gpu": "mygpu", "memory_gb": 96, "bf16_tflops": 700, "gpus_per_node": 4,

@@ -78,7 +78,7 @@ class Cluster:
         >>> c.inter_node_bytes_per_gpu / 1e9       # GB/s: 3200 Gbit/s per node shared by its 8 GPUs
         50.0
         >>> print(c.describe())
-        p5.48xlarge: 4 x 8 H100-SXM5-80GB (80 GiB, 989 TFLOP/s bf16), NVLink 450 GB/s per GPU, network
+        p5.48xlarge: 4 x 8 H100-SXM5-80GB (79.6 GiB, 989 TFLOP/s bf16), NVLink 450 GB/s per GPU, network
         3200 Gbps per node
         >>> c.with_nodes(1).world_size
         8
@@ -117,9 +117,15 @@ class Cluster:
     def describe(self) -> str:
         return (
             f"{self.name}: {self.nodes} x {self.gpus_per_node} {self.gpu.name} "
-            f"({self.gpu.memory_bytes / 2**30:.0f} GiB, {self.gpu.bf16_tflops:g} TFLOP/s bf16), "
+            f"({_gib(self.gpu.memory_bytes)} GiB, {self.gpu.bf16_tflops:g} TFLOP/s bf16), "
             f"NVLink {self.intra_node_gbps:g} GB/s per GPU, network {self.inter_node_gbps:g} Gbps per node"
         )
+
+
+def _gib(n_bytes: float) -> str:
+    """GiB to one decimal, the precision of the presets' and a custom cluster's ``memory_gb`` ("79.6",
+    "131.3"), without a trailing ".0" ("40")."""
+    return f"{n_bytes / 2**30:.1f}".removesuffix(".0")
 
 
 def _count(where: str, key: str, value: Any, *, least: int = 1) -> int:
