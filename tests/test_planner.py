@@ -716,7 +716,27 @@ def test_plan_custom_cluster_file(capsys, tmp_path) -> None:
             ],
             "--config: key 'tensor_parallel_degree' is given more than once",
         ),
-        (["--model", "llama2-7b", "--instance", "p5", "--heap-bytes", "100"], "heap_bytes: expected a"),
+        (
+            ["--model", "llama2-7b", "--instance", "p5", "--heap-bytes", "100"],
+            "error: --heap-bytes: expected a",
+        ),
+        # the keyword arguments' checks, named as the flags the user typed (they said seq_len, micro_batch...)
+        (
+            ["--model", "llama2-7b", "--instance", "p5", "--seq-len", "0"],
+            "error: --seq-len: expected an int >= 1",
+        ),
+        (
+            ["--model", "llama2-7b", "--instance", "p5", "--global-batch-tokens", "5"],
+            "error: --global-batch-tokens: expected an int from seq_len",
+        ),
+        (
+            ["--model", "llama2-7b", "--instance", "p5", "--config", "{}", "--micro-batch", "0"],
+            "error: --micro-batch: expected an int >= 1, got 0",
+        ),
+        (
+            ["--model", "llama2-7b", "--instance", "p5", "--config", "{}", "--grad-accum", "-2"],
+            "error: --grad-accum: expected an int >= 1, got -2",
+        ),
         (
             ["--model", "llama2-7b", "--instance", "p5", "--config", '{"tensor_parallel_degree": 3}'],
             "does not divide",

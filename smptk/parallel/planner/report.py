@@ -141,6 +141,20 @@ def advice_table(adv: Advice, top: int) -> str:
     return _table("recommended configurations (fastest predicted first)", header, rows, right=(0, 2, 3, 4, 5))
 
 
+# Keyword arguments of estimate_memory / advise / step_time that the command line takes from a flag.
+_FLAG_OF = {
+    name: "--" + name.replace("_", "-")
+    for name in ("seq_len", "micro_batch", "grad_accum", "global_batch_tokens", "heap_bytes")
+}
+
+
+def _as_flag(message: str) -> str:
+    """A planner error that starts with a keyword argument's name (``seq_len: expected an int >= 1``) as the
+    command line's user typed it (``--seq-len: ...``)."""
+    name, sep, rest = message.partition(":")
+    return f"{_FLAG_OF[name]}{sep}{rest}" if sep and name in _FLAG_OF else message
+
+
 def run(args: argparse.Namespace, out=None) -> int:
     """``smptk plan`` with parsed ``args``; returns the exit status (2 for bad input, with the reason).
 
@@ -178,7 +192,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                 heap_bytes=args.heap_bytes,
             )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
-        print(f"smptk plan: error: {e}", file=sys.stderr)
+        print(f"smptk plan: error: {_as_flag(str(e))}", file=sys.stderr)
         return 2
     if args.config is not None:
         fits = est.fits()
