@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     path = describe_path(x)
     print(f"device={device} dtype={dtype} shape={args.tokens}x{args.hidden}->{args.ffn} path={path}")
     if path == "torch":
-        interpret = os.environ.get("TRITON_INTERPRET")
+        interpret = "on" if runtime.interpreter_enabled() else "off"
         print(
             "note: smptk ran its PyTorch path, so this compares PyTorch with itself "
             f"(SMPTK_KERNELS={runtime.requested_path()}, TRITON_INTERPRET={interpret}, "

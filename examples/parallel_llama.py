@@ -69,6 +69,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import parallelize_module
 
 import smptk.parallel as sp
+from smptk.kernels import runtime
 from smptk.parallel.dcp import EXTRA_KEY, checkpoint_keys, load_checkpoint, save_checkpoint
 from smptk.parallel.fsdp import apply_data_parallel
 
@@ -427,7 +428,7 @@ def run(args, state, device, ckpt_dir: str) -> int:
     say(
         f"parallel_llama: world {state.world_size} ({sizes}), {device.type}, mixed_precision {precision}"
         f"{' (loss scaled by ShardedGradScaler)' if precision == 'fp16' else ''}, "
-        f"kernels {os.environ.get('SMPTK_KERNELS', 'auto')}"
+        f"kernels {runtime.requested_path()}"
     )
     model, opt, scaler, report = build(state, device, seed=state.config.random_seed, lr=args.lr)
     say(report.describe().splitlines()[0])

@@ -249,15 +249,16 @@ def test_the_readme_names_every_variable_of_the_table_and_no_other():
 
 
 def test_no_variable_of_the_table_is_read_past_its_accessor():
-    """smptk, the benchmarks and scripts read a variable of the table only through smptk.settings, never
-    with os.environ / os.getenv, by its name or by a constant that holds it. The benchmarks read
-    SMPTK_BENCH_JSONL raw, so a blank value wrote rows to a file named by the blanks and " rows.jsonl"
-    to a file whose name starts with a space, where smptk.settings reads both as the table documents."""
+    """smptk, the benchmarks, scripts and examples read a variable of the table only through smptk.settings
+    (or smptk.kernels.runtime), never with os.environ / os.getenv, by its name or by a constant that holds
+    it. The benchmarks read SMPTK_BENCH_JSONL raw, so a blank value wrote rows to a file named by the
+    blanks and " rows.jsonl" to a file whose name starts with a space, where smptk.settings reads both as
+    the table documents."""
     import re
     from pathlib import Path
 
     root = Path(settings.__file__).resolve().parent.parent
-    files = [p for d in ("smptk", "bench", "scripts") for p in (root / d).rglob("*.py")]
+    files = [p for d in ("smptk", "bench", "scripts", "examples") for p in (root / d).rglob("*.py")]
     files = [p for p in files if p.resolve() != Path(settings.__file__).resolve()]
     texts = {p: p.read_text() for p in files}
     holds = {}  # constants that hold a variable's name: JSONL_ENV = "SMPTK_BENCH_JSONL"
