@@ -796,6 +796,26 @@ def test_plan_names_a_file_argument_it_cannot_read(capsys, tmp_path) -> None:
     assert f"config: {str(binary)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
 
 
+def test_plan_reads_an_instance_file_as_it_reads_a_model_file(capsys, tmp_path, monkeypatch) -> None:
+    """--instance took a file only when it existed and its name ended in .json: cluster.conf holding a
+    valid cluster, and a mistyped clusters.json, were both "unknown instance" with the preset list,
+    where --model reads any existing file and names a missing path."""
+    spec = {"gpu": "mygpu", "memory_gb": 96, "bf16_tflops": 700, "gpus_per_node": 4,
+            "intra_node_gbps": 300, "inter_node_gbps": 800}  # fmt: skip
+    (tmp_path / "cluster.conf").write_text(json.dumps(spec))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "mistral-7b", "--instance", "cluster.conf", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "custom mygpu"
+    for missing in ("clusters.json", str(tmp_path / "nowhere" / "p5")):
+        assert main(["plan", "--model", "mistral-7b", "--instance", missing]) == 2
+        assert (
+            f"--instance: {missing!r} does not exist (expected a cluster preset: p4d"
+            in capsys.readouterr().err
+        )
+    assert main(["plan", "--model", "mistral-7b", "--instance", "p5", "--json"]) == 0  # presets still read
+    assert json.loads(capsys.readouterr().out)["cluster"] == "p5.48xlarge"
+
+
 def test_a_model_path_that_does_not_exist_is_named(capsys, tmp_path) -> None:
     """A --model path with no file behind it (or a directory without config.json) gave the bare
     "[Errno 2] No such file or directory", naming neither the argument nor what was expected."""

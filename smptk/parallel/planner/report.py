@@ -94,7 +94,14 @@ def _load_config(text: str) -> ParallelConfig:
 
 
 def _load_cluster(text: str, nodes: int | None):
-    if os.path.exists(text) and text.endswith(".json"):
+    """``--instance``: a preset name, or a custom cluster's JSON file: an existing file of any name, or a
+    path (a ``.json`` name or one with a directory), as ``--model`` reads its argument."""
+    if os.path.isfile(text) or text.endswith(".json") or os.path.sep in text:
+        if not os.path.exists(text):
+            raise ValueError(
+                f"--instance: {text!r} does not exist (expected a cluster preset: {', '.join(CLUSTERS)}, "
+                "or the JSON file of a custom cluster)"
+            )
         try:
             return cluster(json.loads(_read_file("--instance", text)), nodes)
         except json.JSONDecodeError as e:
