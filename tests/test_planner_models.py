@@ -405,6 +405,45 @@ def test_a_hidden_size_that_is_not_an_int_is_named(cfg, match):
         from_hf_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("preset", "key", "value", "match"),
+    [
+        (
+            "qwen3-30b-a3b",
+            "decoder_sparse_step",
+            0,
+            "qwen3_moe: decoder_sparse_step must be a positive int, got 0",
+        ),
+        (
+            "qwen3-30b-a3b",
+            "num_hidden_layers",
+            "48",
+            "qwen3_moe: num_hidden_layers must be a positive int, got '48'",
+        ),
+        ("qwen3-30b-a3b", "num_experts", "128", "qwen3_moe: num_experts must be an int >= 0, got '128'"),
+        (
+            "deepseek-v3",
+            "first_k_dense_replace",
+            "3",
+            "deepseek_v3: first_k_dense_replace must be an int >= 0, got",
+        ),
+        (
+            "deepseek-v3",
+            "num_hidden_layers",
+            "61",
+            "deepseek_v3: num_hidden_layers must be a positive int, got",
+        ),
+    ],
+)
+def test_the_moe_layer_plan_keys_are_checked_before_use(preset, key, value, match):
+    """The layer walk of qwen3_moe and deepseek_v3 configs used these keys before any check: a
+    decoder_sparse_step of 0 raised ZeroDivisionError (a traceback out of smptk plan, which reports only
+    ValueError and TypeError), and a number written as a string the bare "'str' object cannot be
+    interpreted as an integer" or "'<' not supported between instances of 'str' and 'int'"."""
+    with pytest.raises(ValueError, match=match):
+        from_hf_config({**PRESETS[preset], key: value})
+
+
 def test_kv_heads_absent_or_none_is_one_per_head():
     for cfg in (
         {k: v for k, v in SMALL.items() if k != "num_key_value_heads"},

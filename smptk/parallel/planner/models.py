@@ -492,6 +492,9 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         only = set(c.get("mlp_only_layers") or ())
         n_exp = c.get("num_experts", c.get("num_local_experts", 128))  # to_dict() writes num_local_experts
         L = c["num_hidden_layers"]
+        _positive(name, "num_hidden_layers", L)  # the layer walk below needs ints
+        _positive(name, "decoder_sparse_step", step)
+        _not_negative(name, "num_experts", n_exp)
         dense = tuple(i for i in range(L) if i in only or not (n_exp > 0 and (i + 1) % step == 0))
         common.update(
             num_experts=n_exp,
@@ -501,6 +504,8 @@ def from_hf_config(config: Any, name: str | None = None) -> ModelSpec:
         )
     if mt == "deepseek_v3":
         first = c.get("first_k_dense_replace", 3)
+        _not_negative(name, "first_k_dense_replace", first)  # the dense-layer range below needs ints
+        _positive(name, "num_hidden_layers", c["num_hidden_layers"])
         common.update(
             num_experts=c.get("n_routed_experts", 256),
             experts_per_token=c.get("num_experts_per_tok", 8),
