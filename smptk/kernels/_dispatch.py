@@ -13,10 +13,15 @@ outputs' shapes) and returns a caller that
 
 ``torch.compile`` does not trace the caller (``torch.compiler.disable``): Dynamo cannot trace a Triton
 launcher's host code (under the interpreter it traced into the interpreter and failed), so it breaks the
-graph there and the op, with its autograd Function, runs as it does eagerly (the MoE kernels, which are not
-dispatcher ops, take :func:`outside_graphs` alone). ``fullgraph=True`` therefore refuses the Triton path;
-the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) of the dense ops is traced into
-the graph, while the grouped ops and the MoE chain break it where they read token counts on the host.
+graph there and the op runs as it does eagerly. The ops' autograd Functions are called through
+:func:`outside_graphs` too (the MoE kernels, which are not dispatcher ops, take it alone), so a Function's
+forward runs eagerly as a whole: otherwise Dynamo compiles the code around the launch in pieces, and under
+selective checkpointing with Inductor the piece after it (what the forward saves: :func:`saved_if`'s
+stand-in, an ``aten.new_empty``) can run compiled in forward, out of the checkpoint's sight, and eagerly in
+the recompute, which then asks for an op the forward never recorded. ``fullgraph=True`` therefore refuses
+the Triton path; the PyTorch path (``SMPTK_KERNELS=torch``, and CPU without the interpreter) of the dense ops
+is traced into the graph, while the grouped ops and the MoE chain break it where they read token counts on
+the host.
 
 FLOPs: ``dispatcher_op(..., flops=formula)`` gives an op its count of matmul FLOPs, taken from the shapes of
 its arguments, for ``torch.utils.flop_counter.FlopCounterMode`` (MFU measurements). The GEMM ops' backwards

@@ -57,6 +57,7 @@ from smptk.kernels._dispatch import (
     gemm_flops,
     grads_wanted,
     none_if_empty,
+    outside_graphs,
     saved_if,
 )
 from smptk.kernels._triton import kernel_module
@@ -233,4 +234,9 @@ def fused_linear(
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the epilogue reads bias as a contiguous [N] vector
     act = _epilogue.ACTIVATION_CODES[activation]
-    return FusedLinearFunction.apply(x_MK, weight, bias, act, torch.is_grad_enabled(), list(lead))
+    return _fused_linear_triton(x_MK, weight, bias, act, torch.is_grad_enabled(), list(lead))
+
+
+@outside_graphs  # torch.compile: a graph break, then the Function as in eager (see _dispatch)
+def _fused_linear_triton(x_MK, weight, bias, act: int, grad_enabled: bool, lead: list[int]) -> torch.Tensor:
+    return FusedLinearFunction.apply(x_MK, weight, bias, act, grad_enabled, lead)

@@ -79,6 +79,7 @@ from smptk.kernels._dispatch import (
     gemm_flops,
     grads_wanted,
     none_if_empty,
+    outside_graphs,
     saved_if,
 )
 from smptk.kernels._triton import kernel_module
@@ -406,7 +407,12 @@ def grouped_linear(
     if bias is not None and bias.stride(1) != 1:
         bias = bias.contiguous()  # the epilogue reads bias rows as contiguous [N] vectors
     act = _epilogue.ACTIVATION_CODES[activation]
-    return GroupedLinearFunction.apply(x, weight, offsets, bias, act, torch.is_grad_enabled())
+    return _grouped_linear_triton(x, weight, offsets, bias, act, torch.is_grad_enabled())
+
+
+@outside_graphs  # torch.compile: a graph break, then the Function as in eager (see _dispatch)
+def _grouped_linear_triton(x, weight, offsets, bias, act: int, grad_enabled: bool) -> torch.Tensor:
+    return GroupedLinearFunction.apply(x, weight, offsets, bias, act, grad_enabled)
 
 
 def grouped_swiglu(
@@ -441,4 +447,9 @@ def grouped_swiglu(
         return _per_expert(
             x, offsets, lambda e, xe: F.silu(F.linear(xe, weight_gate[e])) * F.linear(xe, weight_up[e])
         )
-    return GroupedSwiGLUFunction.apply(x, weight_gate, weight_up, offsets, torch.is_grad_enabled())
+    return _grouped_swiglu_triton(x, weight_gate, weight_up, offsets, torch.is_grad_enabled())
+
+
+@outside_graphs  # torch.compile: a graph break, then the Function as in eager (see _dispatch)
+def _grouped_swiglu_triton(x, weight_gate, weight_up, offsets, grad_enabled: bool) -> torch.Tensor:
+    return GroupedSwiGLUFunction.apply(x, weight_gate, weight_up, offsets, grad_enabled)

@@ -46,6 +46,7 @@ from smptk.kernels._dispatch import (
     gemm_flops,
     grads_wanted,
     none_if_empty,
+    outside_graphs,
     saved_if,
 )
 from smptk.kernels._triton import kernel_module
@@ -190,4 +191,9 @@ def swiglu(x: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor) 
         return F.silu(F.linear(x, weight_gate)) * F.linear(x, weight_up)
     lead = x.shape[:-1]
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    return SwiGLUFunction.apply(x_MK, weight_gate, weight_up, torch.is_grad_enabled(), list(lead))
+    return _swiglu_triton(x_MK, weight_gate, weight_up, torch.is_grad_enabled(), list(lead))
+
+
+@outside_graphs  # torch.compile: a graph break, then the Function as in eager (see _dispatch)
+def _swiglu_triton(x_MK, weight_gate, weight_up, grad_enabled: bool, lead: list[int]) -> torch.Tensor:
+    return SwiGLUFunction.apply(x_MK, weight_gate, weight_up, grad_enabled, lead)
