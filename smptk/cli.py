@@ -7,7 +7,9 @@ Subcommands:
 - ``smptk info --json``: the same as one JSON object (:func:`smptk._env.collect_environment`).
 - ``smptk plan``: will a model fit, and which parallel configuration to use
   (:mod:`smptk.parallel.planner.report`): the per-GPU memory breakdown and ranked configurations, or
-  ``--config`` to evaluate one; ``--json`` for programs.
+  ``--config`` to evaluate one; ``--json`` for programs. Exit status 0 when a configuration is
+  recommended (``--config``: it fits), 3 when none is (it does not), 2 for bad input; the plan is printed
+  either way (:mod:`smptk.parallel.planner.report`).
 
 ``info`` prints plain text only (no rich needed), so it prints the same in a terminal, a CI log or a bug
 report; ``plan`` draws its tables with rich where it is installed.
@@ -147,6 +149,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "plan",
         help="per-GPU memory and recommended parallel configurations for a model on a cluster",
         description="Estimate per-GPU memory and rank parallel configurations (smptk.parallel.planner).",
+        epilog="exit status: 0 when at least one configuration is recommended (with --config: when it fits); "
+        "3 when none is (with --config: when it does not fit), the tables or --json object still printed; "
+        "2 for bad input.",
     )
     add_arguments(plan)
     return parser
@@ -155,7 +160,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``smptk`` console script; returns the process exit status.
 
-    With no subcommand it prints the help to stderr and returns 2. Output into a pipe its reader closed
+    With no subcommand it prints the help to stderr and returns 2; ``plan`` returns 3 when no configuration
+    fits (:mod:`smptk.parallel.planner.report`). Output into a pipe its reader closed
     (``smptk plan | head -1``) stops quietly with status 1, as the Python docs' recipe for SIGPIPE
     (Python ignores the signal, so the write raises BrokenPipeError): stdout is pointed at devnull so the
     interpreter's final flush cannot fail again, and no traceback is printed.

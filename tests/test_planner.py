@@ -13,7 +13,11 @@ import dataclasses
 import doctest
 import importlib
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -688,6 +692,54 @@ def test_cluster_description_prints_the_memory_the_plan_uses() -> None:
     assert "(40 GiB, 312 TFLOP/s" in cluster("p4d.24xlarge").describe()  # README's example output
     custom = {"gpu": "g", "memory_gb": 131.3, "bf16_tflops": 989, "gpus_per_node": 8, "intra_node_gbps": 450}
     assert "(131.3 GiB," in cluster({**custom, "inter_node_gbps": 3200}).describe()
+
+
+NOTHING_FITS = ["--model", "llama3.1-70b", "--instance", "p5"]  # 70.6B x 16 bytes of states on 8 x 80 GB
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["tables", "json"])
+def test_plan_exit_status_says_whether_a_configuration_fits(capsys, as_json: bool) -> None:
+    """A launcher choosing a layout reads the exit status: ``smptk plan`` returned 0 when nothing fit (Llama
+    3.1 70B on one p5 node; a --config of tp 8 there needs 153.6 GiB per GPU) as when something did. Now 0
+    when a configuration is recommended or --config's fits, 3 when not, the plan printed either way."""
+    flag = ["--json"] if as_json else []
+    one = ["--config", '{"tensor_parallel_degree": 8}']
+    cases = [
+        (NOTHING_FITS, 3),
+        ([*NOTHING_FITS, *one], 3),
+        (["--model", "llama3.1-70b", "--instance", "p5", "--nodes", "2"], 0),
+        (["--model", "llama3.1-8b", "--instance", "p5", *one], 0),
+    ]
+    for args, status in cases:
+        assert main(["plan", *args, *flag]) == status, args
+        out = capsys.readouterr().out
+        if as_json:
+            doc = json.loads(out)
+            assert doc["fits"] == (status == 0) if "fits" in doc else bool(doc["candidates"]) == (status == 0)
+        else:
+            assert ("recommended configurations" in out or "fits in" in out) == (status == 0), out
+    # The advice that fits in memory but not within the global-batch rules recommends nothing either
+    assert main(["plan", "--model", "llama2-7b", "--instance", "p5", "--nodes", "256", "--seq-len", "8192",
+                 "--global-batch-tokens", "8192", *flag]) == 3  # fmt: skip
+    assert "miss the asked global batch" in capsys.readouterr().out
+
+
+def test_plan_exit_status_through_the_console_entry_and_python_m() -> None:
+    """The same status from the ``smptk`` console script (pyproject's [project.scripts] target, called as
+    the script calls it: ``sys.exit(main())``) and from ``python -m smptk``, --json's object on stdout."""
+    root = Path(__file__).resolve().parent.parent
+    scripts = (root / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
+    target = re.search(r'^smptk = "([\w.]+:\w+)"', scripts, re.M).group(1)  # no tomllib on Python 3.10
+    module, func = target.split(":")
+    script = f"import sys; from {module} import {func}; sys.argv[0] = 'smptk'; sys.exit({func}())"
+    env = dict(os.environ, PYTHONPATH=str(root))
+    for launcher in ([sys.executable, "-c", script], [sys.executable, "-m", "smptk"]):
+        proc = subprocess.run(
+            [*launcher, "plan", *NOTHING_FITS, "--json"], cwd=root, env=env, capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 3, (launcher, proc.returncode, proc.stderr)
+        assert json.loads(proc.stdout)["candidates"] == [] and proc.stderr == ""
 
 
 def test_plan_custom_cluster_file(capsys, tmp_path) -> None:

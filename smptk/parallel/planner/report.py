@@ -9,6 +9,13 @@ Examples::
     $ smptk plan --model llama3.1-8b --instance p5.48xlarge --seq-len 8192 \\
           --config '{"tensor_parallel_degree": 2, "activation_checkpointing": "selective"}' --micro-batch 2
     $ smptk plan --model ./my_model/config.json --instance cluster.json --json
+
+Exit status (:data:`EXIT_OK`, :data:`EXIT_BAD_INPUT`, :data:`EXIT_NOTHING_FITS`), so a launcher can choose a
+layout from it: 0 when the advice recommends at least one configuration (with ``--config``: when that
+configuration fits); 3 when it recommends none (nothing fits in memory, or what fits breaks the
+global-batch rules; the output says which and what would fit) or ``--config``'s configuration does not fit;
+2 for bad input (the reason on stderr). The tables or the ``--json`` object are printed in every case but
+bad input. ``smptk`` itself returns 1 for output into a closed pipe (:func:`smptk.cli.main`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from smptk.parallel.planner.estimate import (
     estimate_memory,
 )
 from smptk.parallel.planner.models import PRESETS, model_spec
+
+EXIT_OK = 0  # the advice recommends a configuration; --config: it fits
+EXIT_BAD_INPUT = 2  # argparse's status for a usage error, and the planner's refusals
+EXIT_NOTHING_FITS = 3  # no configuration recommended; --config: it does not fit (the plan is still printed)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,7 +174,8 @@ def _as_flag(message: str) -> str:
 
 
 def run(args: argparse.Namespace, out=None) -> int:
-    """``smptk plan`` with parsed ``args``; returns the exit status (2 for bad input, with the reason).
+    """``smptk plan`` with parsed ``args``; returns the exit status (the module docstring's: 0 when a
+    configuration is recommended or ``--config``'s fits, 3 when none is or it does not, 2 for bad input).
 
     The input is checked and the plan computed first, then printed: an error writing ``out`` (a closed
     pipe) is not reported as bad input; :func:`smptk.cli.main` ends a closed pipe quietly."""
@@ -200,28 +212,30 @@ def run(args: argparse.Namespace, out=None) -> int:
             )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
         print(f"smptk plan: error: {_as_flag(str(e))}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.config is not None:
         fits = est.fits()
+        status = EXIT_OK if fits else EXIT_NOTHING_FITS
         if args.json:
             print(json.dumps({**est.to_dict(), "fits": fits, "step": tm.__dict__}, indent=2), file=out)
-            return 0
+            return status
         print(spec.describe(), file=out)
         print(cl.describe(), file=out)
         print(breakdown_table(est), file=out)
         verdict = "fits" if fits else "does NOT fit"
         print(f"{verdict} in {cl.gpu.memory_bytes / 2**30:.1f} GiB (less 0.5 GiB CUDA context)", file=out)
         print(f"predicted {tm.describe()}", file=out)
-        return 0
+        return status
     top = 5 if args.top is None else args.top
+    status = EXIT_OK if adv.candidates else EXIT_NOTHING_FITS
     if args.json:
         print(json.dumps(adv.to_dict(top=top), indent=2), file=out)
-        return 0
+        return status
     print(spec.describe(), file=out)
     print(f"{cl.describe()}, seq_len {args.seq_len}", file=out)
     if not adv.candidates:
         print(adv.summary().split("\n", 2)[2], file=out)  # "nothing fits:" (or why not) and the suggestions
-        return 0
+        return status
     print(advice_table(adv, top), file=out)
     print(breakdown_table(adv.best.estimate), file=out)
-    return 0
+    return status
