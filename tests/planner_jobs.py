@@ -305,6 +305,7 @@ def run(rank: int, world: int) -> dict:
         out["advised"] = run_advised()
     if world == 2:
         out["delayed_init"] = run_delayed_init()
+        out["hf_tp2"] = {c: run_hf_activations(*c[:3], tp=2, sequence_parallel=c[3]) for c in HF_TP2}
     return out
 
 
@@ -428,21 +429,27 @@ HF_LLAMA = {
 }  # fmt: skip
 
 
-def run_hf_activations(attention: str, checkpointing: str, mixed_precision: str) -> dict:
+def run_hf_activations(
+    attention: str, checkpointing: str, mixed_precision: str, tp: int = 1, sequence_parallel: bool = False
+) -> dict:
     """What one forward of ``HF_LLAMA`` (``attn_implementation=attention``) through ``transform`` leaves for
-    backward (:func:`measure_activations`), after one forward and backward that allocate what is lazy."""
+    backward (:func:`measure_activations`), after one forward and backward that allocate what is lazy;
+    ``tp`` > 1 (on that many ranks): ``tensor_parallel_degree`` and transform's ``sequence_parallel``."""
     import transformers
 
     import smptk.parallel as parallel
 
-    config = {"activation_checkpointing": checkpointing, "mixed_precision": mixed_precision}
+    config = {
+        "activation_checkpointing": checkpointing, "mixed_precision": mixed_precision,
+        "tensor_parallel_degree": tp,
+    }  # fmt: skip
     torch.manual_seed(0)
     net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_LLAMA, attn_implementation=attention))
     ids = torch.randint(
         0, HF_LLAMA["vocab_size"], (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0)
     )
     try:
-        module, _ = parallel.transform(net, config)
+        module, _ = parallel.transform(net, config, sequence_parallel=sequence_parallel)
         with kernels("torch"):
             module(ids, labels=ids).loss.backward()
             module.zero_grad(set_to_none=True)
@@ -450,6 +457,20 @@ def run_hf_activations(attention: str, checkpointing: str, mixed_precision: str)
         return measured
     finally:
         parallel.reset()
+
+
+# The same at tp 2 in the 2-rank job, as (attention, checkpointing, mixed_precision, sequence_parallel): the
+# terms tensor parallelism changes in the stated excess (the norms on the sequence block, the first block's
+# whole-sequence input under checkpointing with sequence parallelism, eager's 16-bit softmax over this rank's
+# heads) and the gathered loss's bool masks (the embedding's alone), each in one case at least.
+HF_TP2 = (
+    ("sdpa", "none", "fp32", False),
+    ("sdpa", "none", "fp32", True),
+    ("sdpa", "full", "fp32", True),
+    ("sdpa", "selective", "bf16", True),
+    ("eager", "none", "bf16", False),
+    ("eager", "full", "bf16", True),
+)
 
 
 # Symmetric heaps: a training step with smptk's collectives (tensor-parallel layers, FSDP2's all-gather and

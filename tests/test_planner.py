@@ -278,7 +278,7 @@ def _documented_block(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: b
 def _outside(spec: ModelSpec, b: int, s: int, B: int, t: int = 1, sp: bool = False) -> int:
     T = b * s
     Tr = T // t if sp else T
-    ids = 16 * T + (3 * T if t > 1 else 0)  # ids and targets (int64), vocab-parallel bool masks
+    ids = 16 * T + (3 * T if t > 1 else 0)  # ids and targets (int64), vocab-parallel bool masks (T + 2T)
     return ids + 2 * Tr * spec.hidden_size * B + 4 * Tr + 4 * T * spec.vocab_size // t  # norm, head inputs
 
 
@@ -300,7 +300,8 @@ def test_gathered_logits_count_the_whole_vocabulary_on_every_rank() -> None:
     split = estimate_memory(TINY, cfg, **kw)
     whole = estimate_memory(TINY, cfg, **kw, loss="gathered")
     T, V = 3 * 32, TINY.vocab_size
-    assert whole.activation_bytes - split.activation_bytes == 4 * T * (V - V // 2)
+    # [T, V] fp32 softmax, without the vocab-parallel loss's two bool masks (the embedding keeps its one)
+    assert whole.activation_bytes - split.activation_bytes == 4 * T * (V - V // 2) - 2 * T
     terms = [{x.name: x for x in e.terms}["logits and their gradient"] for e in (split, whole)]
     assert (
         terms[1].bytes - terms[0].bytes == T * (V - V // 2) * (2 + 4)

@@ -232,13 +232,17 @@ HF_CASES = [
 ]
 
 
-def hf_llama_excess(attention: str, checkpointing: str, mixed_precision: str) -> int:
+def hf_llama_excess(
+    attention: str, checkpointing: str, mixed_precision: str, tp: int = 1, sp: bool = False
+) -> int:
     """Bytes a Hugging Face Llama prepared with ``transform`` keeps beyond ``estimate_memory``'s activations
-    (tp 1), by the rule the README states: its RMSNorms' extra ``4 T h`` each (every one with no
-    checkpointing, else the final one alone), RoPE's ``[1, s, d]`` cos and sin, under checkpointing the
-    position ids (and under eager attention the additive mask) the blocks are called with, eager's
-    attention without the boolean mask (and in 16 bits with its fp32 softmax), the loss's total weight and
-    at b = 1 the padded labels' extra element."""
+    (``loss="gathered"``), by the rule the README states: its RMSNorms' extra ``4 T_r h`` each (every one
+    with no checkpointing, else the final one alone; ``T_r`` the tokens a norm sees, ``T / tp`` with
+    sequence parallelism), RoPE's ``[1, s, d]`` cos and sin, under checkpointing the position ids (and
+    under eager attention the additive mask) the blocks are called with, and with sequence parallelism the
+    first block's whole-sequence input ``(T - T_r) h B`` beyond its block, eager's attention without the
+    boolean mask (and in 16 bits with its fp32 softmax over this rank's ``a / tp`` heads), the loss's total
+    weight and at b = 1 the padded labels' extra element."""
     spec = from_hf_config({"model_type": "llama", **jobs.HF_LLAMA})
     B = 4 if mixed_precision == "fp32" else 2
     b, s, h, L, a, d = (
@@ -250,12 +254,13 @@ def hf_llama_excess(attention: str, checkpointing: str, mixed_precision: str) ->
         spec.head_dim,
     )
     T = b * s
+    Tr = T // tp if sp else T
     norms = 2 * L + 1 if checkpointing == "none" else 1
-    excess = norms * 4 * T * h + 2 * s * d * B + 4 + (8 if b == 1 else 0)
+    excess = norms * 4 * Tr * h + 2 * s * d * B + 4 + (8 if b == 1 else 0)
     if checkpointing != "none":
-        excess += 8 * s + (b * s * s * B if attention == "eager" else 0)
+        excess += 8 * s + (b * s * s * B if attention == "eager" else 0) + (T - Tr) * h * B
     elif attention == "eager":
-        excess += -L * s * s + (4 * L * b * a * s * s if B == 2 else 0)
+        excess += -L * s * s + (4 * L * b * (a // tp) * s * s if B == 2 else 0)
     return excess
 
 
@@ -278,6 +283,30 @@ def test_hugging_face_llama_keeps_the_stated_excess(attention: str, checkpointin
     assert got == predicted, (
         f"measured {got} B, estimate + stated excess {predicted} B ({got / predicted:.4f})"
     )
+
+
+@pytest.mark.parametrize(
+    "case", jobs.HF_TP2, ids=["-".join(map(str, c)).replace("True", "sp") for c in jobs.HF_TP2]
+)
+def test_hugging_face_llama_keeps_the_stated_excess_at_tp2(world2, case: tuple) -> None:
+    """The same at tensor-parallel degree 2 on 2 ranks (``planner_jobs.HF_TP2``), with and without sequence
+    parallelism: every rank keeps exactly the estimate plus :func:`hf_llama_excess` at tp 2."""
+    attention, checkpointing, mp, sp = case
+    config = {"activation_checkpointing": checkpointing, "mixed_precision": mp, "tensor_parallel_degree": 2}
+    est = estimate_memory(
+        from_hf_config({"model_type": "llama", **jobs.HF_LLAMA}), config, seq_len=jobs.SEQ,
+        micro_batch=jobs.MICRO_BATCH, world_size=2, loss="gathered", sequence_parallel=sp,
+        attention="flash" if attention == "sdpa" else "materialized",
+    )  # fmt: skip
+    predicted = est.activation_bytes + hf_llama_excess(attention, checkpointing, mp, tp=2, sp=sp)
+    for rank, results in enumerate(world2):
+        measured = results["hf_tp2"][case]
+        if checkpointing == "none":
+            assert measured["live"] == measured["hooks"], (rank, measured)
+        got = measured["hooks"] if checkpointing == "none" else measured["live"]
+        assert got == predicted, (
+            f"rank {rank}: measured {got} B, estimate + stated excess {predicted} B ({got / predicted:.4f})"
+        )
 
 
 def test_symmetric_heaps_are_what_a_step_allocates() -> None:

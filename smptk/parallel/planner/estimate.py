@@ -52,7 +52,8 @@ layers), term by term per block (no checkpointing):
   derived the same way but not checked against a reference (smptk's reference transformer has none).
 
 Outside the blocks: the token ids and the loss's targets (int64, ``16 T``; under tensor parallelism
-also the bool masks of the vocab-parallel embedding and loss, ``3 T``), the final norm, the LM head's
+also the bool masks of the vocab-parallel embedding, ``T``, and loss, ``2 T``, which a ``"gathered"``
+loss does not have), the final norm, the LM head's
 input ``T_r h B`` and the loss's fp32 softmax ``4 T V_t`` (``F.cross_entropy`` and
 :func:`smptk.parallel.vocab_parallel_cross_entropy` both keep it). Checkpointing: ``"full"`` keeps each
 block's input ``T_r h B`` (a MoE block also its routing, which the layer holds as attributes) and
@@ -72,11 +73,14 @@ the GPU; the host bytes are reported (not in the GPU total). Korthikanti et al. 
 ``sbh(34 + 5as/h)`` per GPT layer with dropout; this model has no dropout and a SwiGLU MLP, so its
 terms differ, and they are checked against what autograd really keeps (tests/test_planner_validation.py:
 within 10%; the dense, tensor-parallel and MoE terms come out within 0.5% at its small shapes). A Hugging
-Face Llama prepared with :func:`~smptk.parallel.transform` keeps more, measured exactly at tp 1: ``4 T h``
-per Hugging Face RMSNorm autograd keeps (all ``2L + 1`` with no checkpointing, the final one under "full" and
-"selective"), RoPE's ``[1, s, d]`` cos and sin ``2 s d B``, under checkpointing the blocks' position ids
-``8 s`` (and eager attention's additive mask ``b s^2 B``), eager without checkpointing no boolean mask but
-in 16 bits its fp32 softmax ``4 b a_t s^2`` per block (README, Memory planning).
+Face Llama prepared with :func:`~smptk.parallel.transform` keeps more, measured exactly at tp 1 and at tp 2
+with and without sequence parallelism: ``4 T_r h`` per Hugging Face RMSNorm autograd keeps (all ``2L + 1``
+with no checkpointing, the final one under "full" and "selective"), RoPE's ``[1, s, d]`` cos and sin
+``2 s d B``, under checkpointing the blocks' position ids ``8 s`` (and eager attention's additive mask
+``b s^2 B``) and with sequence parallelism the first block's whole-sequence input, ``(T - T_r) h B`` beyond
+its block (transform splits the sequence inside that block's checkpointed call), eager without
+checkpointing no boolean mask but in 16 bits its fp32 softmax ``4 b a_t s^2`` per block (README, Memory
+planning).
 
 **Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
 gathered from forward to backward; a block and its prefetched successor; on a 1-rank shard group FSDP2 copies
@@ -622,7 +626,9 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp, los
             )  # fmt: skip
     V_t, shape = _logits_width(spec, t, loss)
     h = spec.hidden_size
-    ids = 16 * T + (3 * T if t > 1 else 0)  # int64 ids and targets (+ the vocab-parallel bool masks)
+    # int64 ids and targets; at tp > 1 the vocab-parallel embedding's bool mask, and the vocab-parallel
+    # loss's two (a gathered loss has none)
+    ids = 16 * T + ((T + (2 * T if loss == "vocab_parallel" else 0)) if t > 1 else 0)
     outside = ids + Tr * h * B + 4 * Tr + Tr * h * B + 4 * T * V_t  # head input: the block under SP
     terms.append(
         MemoryTerm(
