@@ -648,6 +648,27 @@ def test_advise_blames_the_global_batch_not_memory_when_configurations_fit() -> 
     assert "keep the global batch within bounds" in best.reason
 
 
+def test_advise_offers_tensor_parallelism_to_a_moe_model_at_any_sequence_length() -> None:
+    """smptk runs a MoE model's tp without sequence parallelism, so estimate_memory takes any seq_len there;
+    advise skipped every tp > 1 when seq_len % tp (sequence parallelism's rule), so a MoE model whose
+    logits only fit split over tp found nothing at 4095 tokens and tp 2 at 4096 (1.40 GiB, where tp 1
+    needs 2.72), and its "every tp tried" smallest configuration had not tried them."""
+    moe = ModelSpec(
+        "wide-vocab-moe", vocab_size=65536, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+        head_dim=8, intermediate_size=128, num_experts=4, experts_per_token=2, moe_intermediate_size=32,
+    )  # fmt: skip
+    two = {"gpu": "g", "memory_gb": 2.5, "bf16_tflops": 100, "gpus_per_node": 2, "intra_node_gbps": 100,
+           "inter_node_gbps": 100}  # fmt: skip
+    for seq_len in (4096, 4095):
+        adv = advise(moe, two, seq_len=seq_len, heap_bytes=4096)
+        assert adv.best is not None and adv.best.config.tensor_parallel_degree == 2, seq_len
+    searched = {c.config.tensor_parallel_degree for c in advise("qwen3-30b-a3b", "p5", seq_len=4095).rejected}
+    assert searched == {1, 2, 4}
+    # a dense model runs tp with sequence parallelism, which needs seq_len % tp == 0: tp 1 only
+    dense = advise("llama3.1-8b", "p5", seq_len=4095)
+    assert {c.config.tensor_parallel_degree for c in (*dense.candidates, *dense.rejected)} == {1}
+
+
 def test_advise_searches_expert_parallelism_for_moe() -> None:
     adv = advise("qwen3-30b-a3b", "p5.48xlarge", nodes=1, seq_len=4096)
     searched = {c.config.expert_parallel_degree for c in adv.candidates + adv.rejected}

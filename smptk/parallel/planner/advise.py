@@ -1,12 +1,13 @@
 """Ranked parallel configurations for a model on a cluster: :func:`advise` and the step-time model.
 
 **Search.** Every combination of tensor-parallel degree (powers of two up to the GPUs of one node that
-divide the heads, key-value heads and MLP width), ``hybrid_shard_degree`` (1 = replicate, each divisor of
-the data-parallel size, and full sharding), expert-parallel degree (MoE models: divisors of the sharding
-group and of the expert count), activation checkpointing (none, selective, full, full with offloading)
-and micro-batch (1, 2, 4, 8, 16 sequences) is estimated with :func:`~smptk.parallel.planner.
-estimate_memory`. Gradient accumulation fills the global batch: ``global_batch_tokens`` when given,
-else one micro-batch per rank.
+divide the heads, key-value heads, MLP width and vocabulary, and for a dense model, which it runs with
+sequence parallelism, the sequence; a MoE model runs without it and takes any ``seq_len``),
+``hybrid_shard_degree`` (1 = replicate, each divisor of the data-parallel size, and full sharding),
+expert-parallel degree (MoE models: divisors of the sharding group and of the expert count), activation
+checkpointing (none, selective, full, full with offloading) and micro-batch (1, 2, 4, 8, 16 sequences) is
+estimated with :func:`~smptk.parallel.planner.estimate_memory`. Gradient accumulation fills the global
+batch: ``global_batch_tokens`` when given, else one micro-batch per rank.
 
 **Rules**, each rejection carrying its reason:
 
@@ -412,8 +413,6 @@ def advise(
                 else [1]
             )
             for ep, (ac, off), mb in itertools.product(eps, CHECKPOINTING, MICRO_BATCHES):
-                if t > 1 and seq_len % t:
-                    continue
                 cfg = ParallelConfig(
                     tensor_parallel_degree=t, hybrid_shard_degree=hsd_key, expert_parallel_degree=ep,
                     activation_checkpointing=ac, sm_activation_offloading=off,
@@ -423,8 +422,8 @@ def advise(
                     est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
                                           optimizer=optimizer, attention=attention, loss=loss,
                                           heap_bytes=heap_bytes)  # fmt: skip
-                except ValueError:  # a degree the model's sizes do not divide: not a candidate
-                    continue
+                except ValueError:  # a degree the model's sizes (or sequence parallelism's seq_len) do
+                    continue  # not divide: not a candidate (a MoE model runs tp without SP: any seq_len)
                 per_step = dp * mb * seq_len
                 accum = 1 if global_batch_tokens is None else max(1, round(global_batch_tokens / per_step))
                 gbt = per_step * accum
@@ -554,8 +553,6 @@ def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, h
     every data-parallel rank, a smaller sharding degree can hold less (``expert_shard_dim``)."""
     best = None
     for t in _tp_options(spec, cl):
-        if t > 1 and seq_len % t:
-            continue
         dp = cl.world_size // t
         for hsd in _divisors(dp):
             eps = [e for e in _divisors(hsd) if spec.num_experts % e == 0] if spec.is_moe else [1]
