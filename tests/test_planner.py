@@ -839,6 +839,20 @@ def test_plan_refuses_options_it_would_ignore_or_misread(capsys, extra, match) -
     assert match in capsys.readouterr().err
 
 
+def test_plan_names_the_flag_of_a_cluster_file_that_is_not_an_object_and_of_nodes(capsys, tmp_path) -> None:
+    """A cluster file holding a JSON list was refused as "cluster: expected a preset name, a Cluster or a
+    dict, got list", one holding a string ("p5") was read as that preset, and --nodes 0 as "cluster
+    'p5.48xlarge': nodes must be an int >= 1": none named the flag the user typed."""
+    for text, kind in (("[1, 2]", "list"), ('"p5"', "str")):
+        path = tmp_path / f"{kind}.json"
+        path.write_text(text)
+        assert main(["plan", "--model", "llama2-7b", "--instance", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--instance: {str(path)!r} holds a JSON {kind}, expected an object (a custom cluster" in err
+    assert main(["plan", "--model", "llama2-7b", "--instance", "p5", "--nodes", "0"]) == 2
+    assert "error: --nodes: expected an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_plan_names_a_model_or_cluster_file_that_is_not_json(capsys, tmp_path) -> None:
     """A --model file that is not JSON gave the bare parser message ("Expecting value: line 1 ...")."""
     bad = tmp_path / "config.json"

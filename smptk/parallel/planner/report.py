@@ -114,9 +114,15 @@ def _load_cluster(text: str, nodes: int | None):
                 "or the JSON file of a custom cluster)"
             )
         try:
-            return cluster(json.loads(_read_file("--instance", text)), nodes)
+            spec = json.loads(_read_file("--instance", text))
         except json.JSONDecodeError as e:
             raise ValueError(f"--instance: {text!r} is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):  # a list or a string would reach cluster() as something else
+            raise ValueError(
+                f"--instance: {text!r} holds a JSON {type(spec).__name__}, expected an object (a custom "
+                "cluster: gpu, memory_gb, bf16_tflops, gpus_per_node, intra_node_gbps, inter_node_gbps)"
+            )
+        return cluster(spec, nodes)
     return cluster(text, nodes)
 
 
@@ -183,6 +189,8 @@ def run(args: argparse.Namespace, out=None) -> int:
     try:
         if args.top is not None and args.top < 1:
             raise ValueError(f"--top: expected an int >= 1, got {args.top}")
+        if args.nodes is not None and args.nodes < 1:
+            raise ValueError(f"--nodes: expected an int >= 1, got {args.nodes}")
         if args.config is None and (args.micro_batch is not None or args.grad_accum is not None):
             raise ValueError(
                 "--micro-batch / --grad-accum apply to --config only (advice searches micro-batches and "
