@@ -305,3 +305,44 @@ def test_dispatcher_op_registers_its_function() -> None:
 def test_examples() -> None:
     result = doctest.testmod(_dispatch, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_compiled_model_on_every_kernel_stays_under_the_recompile_limit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model on all four GEMM ops and the MoE kernels, compiled (aot_eager), at two batch sizes: no Dynamo
+    frame reaches the recompile limit (here a hard error), and the results equal eager's. The ops' callers
+    (``outside_graphs``) shared one code object, on which Dynamo piled a compiled frame per wrapped function
+    and per argument signature: it hit the limit (8) with this model."""
+    from smptk.kernels import moe_combine, moe_dispatch, moe_route
+
+    skip_unless_triton_on_cpu(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: (torch.randn(*s, generator=g) / 3).requires_grad_()
+    w1, b1, wg, wu, wr = r(9, 12), r(9), r(10, 9), r(10, 9), r(3, 10)
+    we, be, wge, wue = r(3, 7, 10), r(3, 7), r(3, 5, 7), r(3, 5, 7)
+    params = [w1, b1, wg, wu, wr, we, be, wge, wue]
+
+    def model(x):
+        h = swiglu(fused_linear(x, w1, b1, activation="gelu"), wg, wu)
+        routing = moe_route(h @ wr.t(), 2)
+        grouped, plan = moe_dispatch(h, routing.expert_ids, 3)
+        grouped = grouped_linear(grouped, we, plan.offsets, bias=be, activation="silu")
+        out = moe_combine(grouped_swiglu(grouped, wge, wue, plan.offsets), plan, routing.weights)
+        return fused_linear(out, w1[:, :5])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for T in (6, 5):
+                x = torch.randn(T, 12, generator=g)
+                results = []
+                for run in (model, compiled):
+                    out = run(x)
+                    results.append((out.detach(), *torch.autograd.grad(out.square().sum(), params)))
+                for got, want in zip(*results, strict=True):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"T={T}")
+    finally:
+        torch._dynamo.reset()
+    assert not [m for m in caplog.messages if "recompile_limit" in m]

@@ -69,26 +69,36 @@ def _mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
-def _run(op, impl: Callable, args: tuple):
+def _run(op, impl: Callable, args: tuple, packet):
     if not _mode_active():
         return impl(*args)
-    _register_flops()
+    _register_flops(packet)
     return op(*args)
 
 
-def _register_flops() -> None:
+# The registry the formulas of FLOPS went into, and how many went (ops register as their modules load).
+_REGISTERED: list = [None, 0]
+
+
+def _register_flops(packet) -> None:
     """Give torch's FLOP counter the formulas in :data:`FLOPS` (see the module docstring): registered once
-    ``torch.utils.flop_counter`` is loaded, and added to every FlopCounterMode on the dispatch stack."""
+    ``torch.utils.flop_counter`` is loaded (again only when its registry is replaced or an op joins FLOPS),
+    and the formula of ``packet`` (the op being called) added to every FlopCounterMode on the dispatch stack,
+    which took its copy of the registry when it was made."""
     counter = sys.modules.get("torch.utils.flop_counter")
     if counter is None:  # no FlopCounterMode can exist yet
         return
-    for packet, formula in FLOPS.items():
-        if packet not in counter.flop_registry:
-            counter.register_flop_formula(packet)(formula)
+    registry = counter.flop_registry
+    if _REGISTERED[0] is not registry or _REGISTERED[1] != len(FLOPS):
+        for key, formula in FLOPS.items():
+            if key not in registry:
+                counter.register_flop_formula(key)(formula)
+        _REGISTERED[:] = registry, len(FLOPS)
+    if packet not in FLOPS:
+        return
     for mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack():
         if isinstance(mode, counter._FlopCounterMode):
-            for packet in FLOPS:
-                mode.counter.flop_registry.setdefault(packet, counter.flop_registry[packet])
+            mode.counter.flop_registry.setdefault(packet, registry[packet])
 
 
 def gemm_flops(m: int, k: int, n: int) -> int:
@@ -102,20 +112,22 @@ def outside_graphs(fn: Callable) -> Callable:
     Dynamo cannot trace: a Triton launch, or a collective over the symmetric heap (its tensors are real
     tensors on both sides of the break, so an in-place result is seen by the graph that follows).
 
-    The disabled function is made on the first call while compiling: then torch._dynamo is loaded already
-    (at import it would load it, and triton with it: see ``_triton``).
+    The disabled function is ``torch._disable_dynamo``'s, which imports torch._dynamo on its first call, not
+    here: at import it would load it, and triton with it (see ``_triton``). The caller returned has a code
+    object of its own: after the graph break Dynamo compiles the caller as a frame of its own, guarded on the
+    function and its arguments' types, and keeps those compiled frames per code object, so callers sharing a
+    closure's code object piled up one per wrapped function and signature until Dynamo's recompile limit (8),
+    an error under ``fail_on_recompile_limit_hit``.
     """
-    disabled: list[Callable] = []
+    disabled = torch._disable_dynamo(fn)
 
-    @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
-            if not disabled:
-                disabled.append(torch.compiler.disable(fn))
-            return disabled[0](*args, **kwargs)
+            return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    return call
+    call.__code__ = call.__code__.replace()  # a copy: see the docstring
+    return functools.wraps(fn)(call)
 
 
 def dispatcher_op(
@@ -138,7 +150,7 @@ def dispatcher_op(
         @outside_graphs  # see the module docstring: under torch.compile, a graph break, then eager
         @functools.wraps(impl)
         def call(*args):
-            return _run(op, impl, args)
+            return _run(op, impl, args, packet.overloadpacket)
 
         call.op = packet
         return call
