@@ -6,10 +6,14 @@ dispatcher op of its own, so the counter sees it. Here a model built from smptk'
 in plain torch (``F.linear`` per expert for the grouped ops) give the same total, forward + backward, on the
 Triton path (it counted 0 before) and on the PyTorch path; an MoE layer (router, dispatch with a capacity that
 drops pairs, grouped SwiGLU experts, shared experts) gives the Triton path the PyTorch path's count. Only
-products count, as torch counts only ``mm``-like ops: no bias, activation or SwiGLU epilogue.
+products count, as torch counts only ``mm``-like ops: no bias, activation or SwiGLU epilogue. Each op's
+backward, for every set of inputs that want a gradient, counts the products it launches, and launches one
+only for a gradient asked for.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -19,6 +23,12 @@ from helpers import skip_unless_triton_on_cpu
 from torch.utils.flop_counter import FlopCounterMode
 
 from smptk.kernels import _dispatch, fused_linear, grouped_linear, grouped_swiglu, swiglu
+from smptk.testing import (
+    grouped_linear_reference,
+    grouped_swiglu_reference,
+    linear_reference,
+    swiglu_reference,
+)
 
 OFFSETS = (0, 4, 4, 11)  # 3 experts, the middle one empty, 11 rows
 
@@ -128,3 +138,77 @@ def test_an_moe_layer_counts_the_tokens_it_routes(capacity_factor, monkeypatch: 
         counts[path], dropped[path] = counter.get_total_flops(), moe.last_plan.num_dropped
     assert dropped["triton"] == dropped["torch"] and (dropped["torch"] > 0) == (capacity_factor is not None)
     assert counts["triton"] == counts["torch"], counts
+
+
+def _launched_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the matmul FLOPs of every GEMM-engine launch from now on: ``2 * M * R * C`` per product (two
+    for a launch with a second operand pair or the SwiGLU mode); a one-column product that only carries a
+    bias gradient's row sums (``grouped_weight_grad`` without a weight gradient) counts 0, as torch counts a
+    bias gradient's ``sum``."""
+    from smptk.kernels import _gemm
+
+    launched: list[int] = []
+    run = _gemm._Launch.run
+
+    def recording(self) -> None:
+        M, R = self.a.shape
+        C = self.b.shape[2]
+        bias_carrier = self.rowsum is not None and C == 1 and not self.b.any()
+        pairs = 2 if self.a2 is not None or self.dual != _gemm.DUAL_NONE else 1
+        launched.append(0 if bias_carrier else pairs * 2 * M * R * C)
+        run(self)
+
+    monkeypatch.setattr(_gemm._Launch, "run", recording)
+    return launched
+
+
+_OPS = {  # name -> (fn(x, *params), fp32 reference(x, *params), shapes of x and the parameters)
+    "fused_linear": (
+        lambda x, w, b: fused_linear(x, w, b, activation="gelu"),
+        lambda x, w, b: linear_reference(x, w, b, "gelu"),
+        [(2, 5, 12), (9, 12), (9,)],
+    ),
+    "swiglu": (swiglu, swiglu_reference, [(10, 12), (9, 12), (9, 12)]),
+    "grouped_linear": (
+        lambda x, w, b: grouped_linear(x, w, torch.tensor(OFFSETS), bias=b, activation="silu"),
+        lambda x, w, b: grouped_linear_reference(x, w, OFFSETS, b, "silu"),
+        [(11, 12), (3, 9, 12), (3, 9)],
+    ),
+    "grouped_swiglu": (
+        lambda x, wg, wu: grouped_swiglu(x, wg, wu, torch.tensor(OFFSETS)),
+        lambda x, wg, wu: grouped_swiglu_reference(x, wg, wu, OFFSETS),
+        [(11, 12), (3, 9, 12), (3, 9, 12)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_OPS))
+def test_every_backward_counts_the_products_it_launches(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For each set of inputs that want a gradient (x, the weight(s), the bias: all 7 non-empty ones), the
+    backward launches a product only for a gradient asked for, FlopCounterMode counts what it launches, the
+    PyTorch path (plain torch ops) counts the same, and the gradients equal the fp32 reference's.
+    grouped_swiglu computed both weights' gradients ([E, 2N, K]) when one was asked for, and counted both."""
+    skip_unless_triton_on_cpu(monkeypatch)
+    fn, reference, shapes = _OPS[name]
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(*s, generator=g) / 2 for s in shapes]
+    launched = _launched_products(monkeypatch)
+    for wanted in itertools.product((False, True), repeat=3):
+        if not any(wanted):
+            continue
+        counts, grads = {}, {}
+        for path in ("triton", "torch"):
+            monkeypatch.setenv("SMPTK_KERNELS", path)
+            leaves = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
+            out = fn(*leaves)
+            launched.clear()
+            with FlopCounterMode(display=False) as counter:
+                grads[path] = torch.autograd.grad(out.square().sum(), [t for t in leaves if t.requires_grad])
+            counts[path] = counter.get_total_flops()
+            if path == "triton":
+                assert counts[path] == sum(launched), f"{name} {wanted}: counted {counts[path]}, {launched}"
+        assert counts["triton"] == counts["torch"], f"{name} {wanted}: {counts}"
+        leaves = [t.clone().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
+        want = torch.autograd.grad(reference(*leaves).square().sum(), [t for t in leaves if t.requires_grad])
+        for got, ref in zip(grads["triton"], want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=f"{name} {wanted}")

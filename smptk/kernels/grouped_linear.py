@@ -187,15 +187,13 @@ def grouped_linear_bwd(
 
 def _grouped_swiglu_bwd_fake(dy_TN, x_TK, wg_ENK, wu_ENK, offsets, h_T2N, needs):
     E, N, K = wg_ENK.shape
-    return x_TK.new_empty(x_TK.shape if needs[0] else (0,)), wg_ENK.new_empty(
-        (E, 2 * N, K) if needs[1] or needs[2] else (0,)
-    )
+    rows = N * (needs[1] + needs[2])
+    return x_TK.new_empty(x_TK.shape if needs[0] else (0,)), wg_ENK.new_empty((E, rows, K))
 
 
 def _grouped_swiglu_bwd_flops(dy_TN, x_TK, wg_ENK, wu_ENK, offsets, h_T2N, needs, *, out_shape):
-    # dx = dg_e @ w_gate[e] + du_e @ w_up[e]; the weight gradients are one [2N, K] product for either or both
-    gemm = gemm_flops(dy_TN[0], x_TK[1], dy_TN[1])
-    return 2 * gemm * (needs[0] + (needs[1] or needs[2]))
+    # dx = dg_e @ w_gate[e] + du_e @ w_up[e] (two products), one product per weight gradient asked for
+    return (2 * needs[0] + needs[1] + needs[2]) * gemm_flops(dy_TN[0], x_TK[1], dy_TN[1])
 
 
 @dispatcher_op("grouped_swiglu_bwd", fake=_grouped_swiglu_bwd_fake, flops=_grouped_swiglu_bwd_flops)
@@ -208,9 +206,9 @@ def grouped_swiglu_bwd(
     h_T2N: torch.Tensor,
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton backward: ``(dx [T, K], [dw_gate | dw_up] [E, 2N, K])``, dx empty unless ``needs`` (x,
-    weight_gate, weight_up) asks for it, the weights' empty unless it asks for either. The op
-    ``smptk::grouped_swiglu_bwd``."""
+    """Triton backward: ``(dx [T, K], the weight gradients asked for)``, dx empty unless ``needs`` (x,
+    weight_gate, weight_up) asks for it; ``[dw_gate | dw_up]`` ``[E, 2N, K]`` for both weights, ``[E, N, K]``
+    for one, ``[E, 0, K]`` for none. The op ``smptk::grouped_swiglu_bwd``."""
     need_dx, need_dwg, need_dwu = needs
     N = wg_ENK.shape[1]
     dh = _epilogue.swiglu_dh(dy_TN, h_T2N)
@@ -221,10 +219,11 @@ def grouped_swiglu_bwd(
         else:
             _gemm.grouped_matmul(dh[:, :N], wg_ENK, offsets, dx, a2_TR=dh[:, N:], b2_ERC=wu_ENK)
     E, _, K = wg_ENK.shape
-    dw = new_buffer((E, 2 * N, K) if need_dwg or need_dwu else (0,), wg_ENK.dtype, wg_ENK.device)
+    # both: [dw_gate | dw_up] = dh_e.T @ x_e in one launch (x read once); one: only its half (a frozen other)
+    cols = slice(0, 2 * N) if need_dwg and need_dwu else slice(0, N) if need_dwg else slice(N, 2 * N)
+    dw = new_buffer((E, N * (need_dwg + need_dwu), K), wg_ENK.dtype, wg_ENK.device)
     if need_dwg or need_dwu:
-        # [dw_gate | dw_up] = dh_e.T @ x_e: one launch, x read once for both halves.
-        _gemm.grouped_weight_grad(dh, x_TK, offsets, dw, None)
+        _gemm.grouped_weight_grad(dh[:, cols], x_TK, offsets, dw, None)
     return dx, dw
 
 
@@ -280,7 +279,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         N = wg_ENK.shape[1]
         dx, dw = grouped_swiglu_bwd(dy_TN, x_TK, wg_ENK, wu_ENK, offsets, h, list(ctx.needs))
         dwg = dw[:, :N] if need_dwg else None
-        dwu = dw[:, N:] if need_dwu else None
+        dwu = dw[:, -N:] if need_dwu else None
         return none_if_empty(dx, need_dx), dwg, dwu, None, None
 
 
