@@ -460,9 +460,10 @@ def run_hf_activations(
 
 
 # The same at tp 2 in the 2-rank job, as (attention, checkpointing, mixed_precision, sequence_parallel): the
-# terms tensor parallelism changes in the stated excess (the norms on the sequence block, the first block's
-# whole-sequence input under checkpointing with sequence parallelism, eager's 16-bit softmax over this rank's
-# heads) and the gathered loss's bool masks (the embedding's alone), each in one case at least.
+# terms tensor parallelism changes in the stated excess (the norms on the sequence block, eager's 16-bit
+# softmax over this rank's heads), the first block's input under checkpointing with sequence parallelism (its
+# sequence block, as every block's) and the gathered loss's bool masks (the embedding's alone), each in one
+# case at least.
 HF_TP2 = (
     ("sdpa", "none", "fp32", False),
     ("sdpa", "none", "fp32", True),

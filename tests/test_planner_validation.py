@@ -239,10 +239,10 @@ def hf_llama_excess(
     (``loss="gathered"``), by the rule the README states: its RMSNorms' extra ``4 T_r h`` each (every one
     with no checkpointing, else the final one alone; ``T_r`` the tokens a norm sees, ``T / tp`` with
     sequence parallelism), RoPE's ``[1, s, d]`` cos and sin, under checkpointing the position ids (and
-    under eager attention the additive mask) the blocks are called with, and with sequence parallelism the
-    first block's whole-sequence input ``(T - T_r) h B`` beyond its block, eager's attention without the
-    boolean mask (and in 16 bits with its fp32 softmax over this rank's ``a / tp`` heads), the loss's total
-    weight and at b = 1 the padded labels' extra element."""
+    under eager attention the additive mask) the blocks are called with (with sequence parallelism the
+    first block keeps its sequence block, as the others do), eager's attention without the boolean mask
+    (and in 16 bits with its fp32 softmax over this rank's ``a / tp`` heads), the loss's total weight and at
+    b = 1 the padded labels' extra element."""
     spec = from_hf_config({"model_type": "llama", **jobs.HF_LLAMA})
     B = 4 if mixed_precision == "fp32" else 2
     b, s, h, L, a, d = (
@@ -258,7 +258,7 @@ def hf_llama_excess(
     norms = 2 * L + 1 if checkpointing == "none" else 1
     excess = norms * 4 * Tr * h + 2 * s * d * B + 4 + (8 if b == 1 else 0)
     if checkpointing != "none":
-        excess += 8 * s + (b * s * s * B if attention == "eager" else 0) + (T - Tr) * h * B
+        excess += 8 * s + (b * s * s * B if attention == "eager" else 0)
     elif attention == "eager":
         excess += -L * s * s + (4 * L * b * (a // tp) * s * s if B == 2 else 0)
     return excess

@@ -15,7 +15,8 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``tp2_sp_llama``, ``tp2_sp_qwen3``: the same with ``sequence_parallel=True`` (sequence length 10): the
   residual stream split along the sequence, the norms' weight gradients summed over ``tp``;
   ``tp2_sp_selective_llama`` under selective checkpointing (the kept GEMM and reduce-scatter outputs,
-  the all-gathers run again).
+  the all-gathers run again); ``tp2_sp_offload_llama`` under full checkpointing with activation
+  offloading (the first layer's split runs ahead of both, so they keep and offload its sequence block).
 - ``tp2_mixtral``: MoE blocks swapped for smptk's MoE, whole on both tp ranks, attention split;
   ``tp2_sp_mixtral`` with sequence parallelism (the MoE layers gather the sequence and run whole) and
   Hugging Face's load-balancing loss.
@@ -484,6 +485,13 @@ CASES = {
         p,
         "llama",
         {"tensor_parallel_degree": 2, "activation_checkpointing": "selective"},
+        same_batch=True,
+        sp_=True,
+    ),
+    "tp2_sp_offload_llama": lambda p: _train(
+        p,
+        "llama",
+        {"tensor_parallel_degree": 2, "activation_checkpointing": "full", "sm_activation_offloading": True},
         same_batch=True,
         sp_=True,
     ),

@@ -553,6 +553,18 @@ def apply_activation_checkpointing(
     return [n for n, _ in outer]
 
 
+def recomputing(unit: nn.Module) -> bool:
+    """Whether ``unit``'s forward now running is its own checkpoint's recompute in backward: torch's
+    composable ``checkpoint`` turns the unit's checkpoint hooks off around it. A forward pre-hook placed
+    ahead of the checkpoint (``prepend=True``) changes the inputs the checkpoint saves, and the recompute
+    calls the unit with those saved inputs, so such a hook passes them through when this is True. False
+    for a unit that is not checkpointed."""
+    from torch.distributed._composable import checkpoint
+
+    state = checkpoint.state(unit)
+    return state is not None and not state.enable_hook
+
+
 def _no_cache_in_training(model: nn.Module, units: list[str]) -> None:
     """Checkpointed units run their forward twice, and a key-value cache (a Hugging Face model's
     ``use_cache``, on by default) would see the keys twice: the recompute's attention then reads 2 x seq

@@ -366,10 +366,17 @@ def _split_sequence_hook(group: Any, tp: int, rank: int):
     rank's ``1 / tp`` of the sequence (dim 1) of the replicated embedding output. Backward sums the
     ranks' pieces of the gradient (an all-reduce of the zero-padded pieces), so the embedding sees the
     full gradient. The model computed its causal mask and rotary positions from the full sequence before
-    the layers, and every column-parallel layer gathers the sequence again."""
-    import smptk.comm.functional as cf
+    the layers, and every column-parallel layer gathers the sequence again.
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    It runs ahead of the layer's checkpoint (``prepend=True``), so a checkpointed layer saves this rank's
+    block, ``T / tp`` tokens, not the whole sequence; the recompute calls the layer with that saved block,
+    which the hook then passes through (:func:`~smptk.parallel.checkpointing.recomputing`)."""
+    import smptk.comm.functional as cf
+    from smptk.parallel.checkpointing import recomputing
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if recomputing(module):
+            return None
         x = args[0] if args else kwargs["hidden_states"]
         if x.dim() != 3 or x.shape[1] % tp:
             raise ValueError(
@@ -530,10 +537,12 @@ def transform(
 
     layers = [f"{prefix}layers.{i}" for i in range(len(base.layers))]
     checkpointed = apply_activation_checkpointing(model, state, modules=layers)  # and use_cache=False
-    if sp:  # after the checkpoint's own hooks: a recompute runs the layer's hooks again, on its input
+    if sp:
         model.register_forward_pre_hook(_sequence_parallel_call_hook(cfg), with_kwargs=True)
         group, rank = tp_mesh.get_group(), tp_mesh.get_local_rank()
-        base.layers[0].register_forward_pre_hook(_split_sequence_hook(group, tp, rank), with_kwargs=True)
+        # ahead of the checkpoint's and the offloader's hooks: the layer saves (and offloads) its block only
+        split = _split_sequence_hook(group, tp, rank)
+        base.layers[0].register_forward_pre_hook(split, prepend=True, with_kwargs=True)
         for layer in base.layers:
             for module in (layer.self_attn, layer.mlp):
                 if not isinstance(module, MoE):  # smptk's MoE gathers the sequence itself and runs whole

@@ -77,10 +77,9 @@ Face Llama prepared with :func:`~smptk.parallel.transform` keeps more, measured 
 with and without sequence parallelism: ``4 T_r h`` per Hugging Face RMSNorm autograd keeps (all ``2L + 1``
 with no checkpointing, the final one under "full" and "selective"), RoPE's ``[1, s, d]`` cos and sin
 ``2 s d B``, under checkpointing the blocks' position ids ``8 s`` (and eager attention's additive mask
-``b s^2 B``) and with sequence parallelism the first block's whole-sequence input, ``(T - T_r) h B`` beyond
-its block (transform splits the sequence inside that block's checkpointed call), eager without
-checkpointing no boolean mask but in 16 bits its fp32 softmax ``4 b a_t s^2`` per block (README, Memory
-planning).
+``b s^2 B``; the first block keeps its sequence block, as the others do: transform splits the sequence
+ahead of its checkpoint), eager without checkpointing no boolean mask but in 16 bits its fp32 softmax
+``4 b a_t s^2`` per block (README, Memory planning).
 
 **Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
 gathered from forward to backward; a block and its prefetched successor; on a 1-rank shard group FSDP2 copies
