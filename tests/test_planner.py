@@ -1034,3 +1034,42 @@ def test_nothing_fits_names_the_nearest_node_counts_that_do() -> None:
         and c.config.sm_activation_offloading
     )
     assert f"needs {smallest / 2**30:.1f} GiB per GPU" in big.suggestions[0], big.suggestions
+
+
+def test_a_hugging_face_model_through_transform_is_planned_with_its_excess(capsys, tmp_path) -> None:
+    """A Llama config.json planned for training through transform: the plan counted smptk's own layers only,
+    1.18x low on activations with no checkpointing (Llama 3.1 8B, 4096 tokens, bf16: 4.06 GiB), and the
+    command line did not say which layers it assumed. ``implementation="hf"`` adds the measured excess as
+    its own term (tests/test_planner_validation.py checks it against measured bytes) with the gathered
+    logits; the plan says which it assumes; models the excess does not describe are refused up front."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    }))  # fmt: skip
+    spec = model_spec(str(config))
+    assert spec.num_parameters() == model_spec("llama3.1-8b").num_parameters()
+    own = estimate_memory(spec, {}, seq_len=4096, world_size=1, loss="gathered")
+    hf = estimate_memory(spec, {}, seq_len=4096, world_size=1, implementation="hf")
+    excess = [t for t in hf.terms if t.name == "activations: Hugging Face layers (transform)"]
+    assert len(excess) == 1 and hf.activation_bytes == own.activation_bytes + excess[0].bytes
+    assert round(hf.activation_bytes / own.activation_bytes, 2) == 1.18 and hf.implementation == "hf"
+    assert round(excess[0].bytes / 2**30, 2) == 4.06
+    assert hf.to_dict()["implementation"] == "hf" and own.to_dict()["implementation"] == "smptk"
+    base = ["plan", "--model", str(config), "--instance", "p5", "--config", "{}"]
+    main(base)
+    assert "activations: smptk's own layers" in capsys.readouterr().out
+    main([*base, "--implementation", "hf"])
+    out = capsys.readouterr().out
+    assert "activations: a Hugging Face model through transform" in out
+    assert "activations: Hugging Face layers (transform)" in out
+    main([*base[:-2], "--implementation", "hf", "--top", "1"])
+    assert "activations: Hugging Face layers (transform)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="loss: 'vocab_parallel' with implementation 'hf'"):
+        estimate_memory(spec, {}, seq_len=64, world_size=1, implementation="hf", loss="vocab_parallel")
+    with pytest.raises(ValueError, match="implementation: expected one of smptk, hf, got 'transformers'"):
+        estimate_memory(spec, {}, seq_len=64, world_size=1, implementation="transformers")
+    for other, has in (("qwen3-8b", "q / k norms"), ("mixtral-8x7b", "MoE layers")):
+        with pytest.raises(ValueError, match=f"implementation: 'hf' .* has {has}"):
+            advise(other, "p5", seq_len=4096, implementation="hf")  # refused, not "nothing fits"

@@ -267,7 +267,8 @@ def hf_llama_excess(
 @pytest.mark.parametrize(("attention", "checkpointing", "mp"), HF_CASES, ids=["-".join(c) for c in HF_CASES])
 def test_hugging_face_llama_keeps_the_stated_excess(attention: str, checkpointing: str, mp: str) -> None:
     """A transformed Hugging Face Llama keeps exactly the estimate plus :func:`hf_llama_excess` (FSDP2's
-    unsharded parameters, which a 1-rank shard group computes on, are the plan's transients, not counted)."""
+    unsharded parameters, which a 1-rank shard group computes on, are the plan's transients, not counted),
+    which is what ``estimate_memory(..., implementation="hf")`` plans for it."""
     with one_rank_group():
         measured = jobs.run_hf_activations(attention, checkpointing, mp)
     config = {"activation_checkpointing": checkpointing, "mixed_precision": mp}
@@ -283,6 +284,12 @@ def test_hugging_face_llama_keeps_the_stated_excess(attention: str, checkpointin
     assert got == predicted, (
         f"measured {got} B, estimate + stated excess {predicted} B ({got / predicted:.4f})"
     )
+    hf = estimate_memory(
+        from_hf_config({"model_type": "llama", **jobs.HF_LLAMA}), config, seq_len=jobs.SEQ,
+        micro_batch=jobs.MICRO_BATCH, world_size=1, implementation="hf",
+        attention="flash" if attention == "sdpa" else "materialized",
+    )  # fmt: skip
+    assert hf.activation_bytes == got, f"measured {got} B, implementation='hf' plans {hf.activation_bytes} B"
 
 
 @pytest.mark.parametrize(
@@ -290,7 +297,8 @@ def test_hugging_face_llama_keeps_the_stated_excess(attention: str, checkpointin
 )
 def test_hugging_face_llama_keeps_the_stated_excess_at_tp2(world2, case: tuple) -> None:
     """The same at tensor-parallel degree 2 on 2 ranks (``planner_jobs.HF_TP2``), with and without sequence
-    parallelism: every rank keeps exactly the estimate plus :func:`hf_llama_excess` at tp 2."""
+    parallelism: every rank keeps exactly the estimate plus :func:`hf_llama_excess` at tp 2, what
+    ``implementation="hf"`` plans."""
     attention, checkpointing, mp, sp = case
     config = {"activation_checkpointing": checkpointing, "mixed_precision": mp, "tensor_parallel_degree": 2}
     est = estimate_memory(
@@ -299,6 +307,12 @@ def test_hugging_face_llama_keeps_the_stated_excess_at_tp2(world2, case: tuple) 
         attention="flash" if attention == "sdpa" else "materialized",
     )  # fmt: skip
     predicted = est.activation_bytes + hf_llama_excess(attention, checkpointing, mp, tp=2, sp=sp)
+    hf = estimate_memory(
+        from_hf_config({"model_type": "llama", **jobs.HF_LLAMA}), config, seq_len=jobs.SEQ,
+        micro_batch=jobs.MICRO_BATCH, world_size=2, sequence_parallel=sp, implementation="hf",
+        attention="flash" if attention == "sdpa" else "materialized",
+    )  # fmt: skip
+    assert hf.activation_bytes == predicted, (hf.activation_bytes, predicted)  # the measured rule, planned
     for rank, results in enumerate(world2):
         measured = results["hf_tp2"][case]
         if checkpointing == "none":

@@ -69,6 +69,7 @@ from smptk.parallel.planner.estimate import (
     check_choices,
     estimate_memory,
     heap_bytes_in_force,
+    resolve_loss,
     tp_problem,
 )
 from smptk.parallel.planner.models import ModelSpec, model_spec
@@ -373,16 +374,18 @@ def advise(
     mixed_precision: str = "bf16",
     compute_efficiency: float = 0.6,
     suggest: bool = True,
-    loss: str = "vocab_parallel",
+    loss: str | None = None,
     heap_bytes: int | None = None,
+    implementation: str = "smptk",
 ) -> Advice:
     """Ranked configurations for ``model`` on ``cluster`` at ``seq_len`` (see the module docstring).
 
     ``global_batch_tokens``: the batch the run wants (accumulation fills it; it must be reachable
     within the 4M-token limit); None: one micro-batch per data-parallel rank per step. ``nodes``
     overrides the cluster's node count. When nothing fits, :attr:`Advice.suggestions` says what would.
-    ``loss``: as :func:`~smptk.parallel.planner.estimate_memory`'s (``"gathered"`` for a model
-    prepared with :func:`~smptk.parallel.transform`, whose logits are whole on every tp rank).
+    ``loss``, ``implementation``: as :func:`~smptk.parallel.planner.estimate_memory`'s (``"hf"`` for a
+    Hugging Face model prepared with :func:`~smptk.parallel.transform`: its measured excess over smptk's
+    layers, and the logits whole on every tp rank).
     ``heap_bytes``: smptk's symmetric heap per group, as estimate_memory's (None: smptk.comm's setting).
     """
     spec = model_spec(model)
@@ -390,6 +393,7 @@ def advise(
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len: expected an int >= 1, got {seq_len!r}")
     spec.check_seq_len(seq_len)
+    loss = resolve_loss(spec, implementation, loss)  # up front: the search skips what estimate refuses
     check_choices(optimizer, attention, loss)  # up front too: the search skips what estimate refuses
     heap_bytes = heap_bytes_in_force(heap_bytes)  # checked up front: the search skips what estimate refuses
     if global_batch_tokens is not None and (
@@ -421,7 +425,7 @@ def advise(
                 try:
                     est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=mb, cluster=cl,
                                           optimizer=optimizer, attention=attention, loss=loss,
-                                          heap_bytes=heap_bytes)  # fmt: skip
+                                          heap_bytes=heap_bytes, implementation=implementation)  # fmt: skip
                 except ValueError:  # a degree the model's sizes (or sequence parallelism's seq_len) do
                     continue  # not divide: not a candidate (a MoE model runs tp without SP: any seq_len)
                 per_step = dp * mb * seq_len
@@ -490,7 +494,18 @@ def advise(
         why = _why(c, i == 0, seq_len, needed=_fit_key(c) not in plain, tp1_fits=tp1_fits, tp1_kept=tp1_kept)
         ranked.append(dataclasses.replace(c, reason=why))
     suggestions = (
-        _suggestions(spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss, heap_bytes)
+        _suggestions(
+            spec,
+            cl,
+            seq_len,
+            optimizer,
+            attention,
+            mixed_precision,
+            rejected,
+            loss,
+            heap_bytes,
+            implementation,
+        )
         if (suggest and not ranked)
         else ()
     )
@@ -547,7 +562,9 @@ def _why(
     return "; ".join(parts)
 
 
-def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes) -> int | None:
+def _min_total(
+    spec, cl, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes, implementation
+) -> int | None:
     """The smallest estimate over the search's degrees (tp, sharding degree, ep; full checkpointing +
     offloading, micro-batch 1). Not only full sharding: where stacked experts cannot shard evenly over
     every data-parallel rank, a smaller sharding degree can hold less (``expert_shard_dim``)."""
@@ -565,7 +582,7 @@ def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, h
                 try:
                     est = estimate_memory(spec, cfg, seq_len=seq_len, micro_batch=1, cluster=cl,
                                           optimizer=optimizer, attention=attention, loss=loss,
-                                          heap_bytes=heap_bytes)  # fmt: skip
+                                          heap_bytes=heap_bytes, implementation=implementation)  # fmt: skip
                 except ValueError:
                     continue
                 best = est.total_bytes if best is None else min(best, est.total_bytes)
@@ -573,7 +590,7 @@ def _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, h
 
 
 def _suggestions(
-    spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss, heap_bytes
+    spec, cl, seq_len, optimizer, attention, mixed_precision, rejected, loss, heap_bytes, implementation
 ) -> list[str]:
     fitting = [c for c in rejected if c.fits]
     if fitting:  # memory is not what stops them: the global batch is (more memory would not help)
@@ -597,12 +614,22 @@ def _suggestions(
         return out
     out = []
     memory = cl.gpu.memory_bytes - CUDA_CONTEXT_BYTES
-    least = _min_total(spec, cl, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes)
+    least = _min_total(
+        spec, cl, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes, implementation
+    )
 
     @functools.cache
     def least_on(nodes: int) -> int | None:
         return _min_total(
-            spec, cl.with_nodes(nodes), seq_len, optimizer, attention, mixed_precision, loss, heap_bytes
+            spec,
+            cl.with_nodes(nodes),
+            seq_len,
+            optimizer,
+            attention,
+            mixed_precision,
+            loss,
+            heap_bytes,
+            implementation,
         )
 
     def _fits_on(nodes: int) -> bool:
@@ -629,7 +656,9 @@ def _suggestions(
         if other.gpu.memory_bytes <= cl.gpu.memory_bytes:
             continue
         o = other.with_nodes(max(1, cl.world_size // other.gpus_per_node))
-        m = _min_total(spec, o, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes)
+        m = _min_total(
+            spec, o, seq_len, optimizer, attention, mixed_precision, loss, heap_bytes, implementation
+        )
         if m is not None and m <= other.gpu.memory_bytes - CUDA_CONTEXT_BYTES:
             out.append(
                 f"a larger GPU: {o.nodes} x {name} = {o.world_size} GPUs ({other.gpu.name}) would fit: "

@@ -79,7 +79,8 @@ with no checkpointing, the final one under "full" and "selective"), RoPE's ``[1,
 ``2 s d B``, under checkpointing the blocks' position ids ``8 s`` (and eager attention's additive mask
 ``b s^2 B``; the first block keeps its sequence block, as the others do: transform splits the sequence
 ahead of its checkpoint), eager without checkpointing no boolean mask but in 16 bits its fp32 softmax
-``4 b a_t s^2`` per block (README, Memory planning).
+``4 b a_t s^2`` per block (README, Memory planning). ``implementation="hf"`` adds that excess to the plan as
+its own activation term.
 
 **Transient**: FSDP2's all-gathered units in the compute dtype (the root unit, embeddings and head, stays
 gathered from forward to backward; a block and its prefetched successor; on a 1-rank shard group FSDP2 copies
@@ -125,6 +126,9 @@ from smptk.parallel.planner.models import ModelSpec, model_spec
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
 ATTENTION = ("flash", "materialized")
 LOSSES = ("vocab_parallel", "gathered")  # how the logits meet the loss at tp > 1 (see estimate_memory)
+# whose layers the activations are those of (see estimate_memory): smptk's reference transformer, or a Hugging
+# Face model prepared with transform (Hugging Face's norms, RoPE and loss, and their measured excess)
+IMPLEMENTATIONS = ("smptk", "hf")
 ALLOCATOR_MARGIN = 0.05
 _COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 KINDS = ("parameters", "gradients", "optimizer", "activations", "transient", "comm", "margin")
@@ -190,6 +194,7 @@ class MemoryEstimate:
     terms: tuple[MemoryTerm, ...]
     host_bytes: int
     cluster: Cluster | None = None
+    implementation: str = "smptk"
 
     def bytes_of(self, kind: str) -> int:
         return sum(t.bytes for t in self.terms if t.kind == kind)
@@ -238,6 +243,7 @@ class MemoryEstimate:
             "attention": self.attention,
             "sequence_parallel": self.sequence_parallel,
             "engine": self.engine,
+            "implementation": self.implementation,
             "terms": [dataclasses.asdict(t) for t in self.terms],
             "total_bytes": self.total_bytes,
             "host_bytes": self.host_bytes,
@@ -301,7 +307,8 @@ def estimate_memory(
     attention: str = "flash",
     sequence_parallel: bool | None = None,
     heap_bytes: int | None = None,
-    loss: str = "vocab_parallel",
+    loss: str | None = None,
+    implementation: str = "smptk",
 ) -> MemoryEstimate:
     """Per-GPU memory of one training step of ``model`` under ``config``.
 
@@ -320,10 +327,19 @@ def estimate_memory(
         heap_bytes: the data region of smptk's symmetric heap per group, checked as
             :func:`smptk.comm.configure` checks it (a multiple of 16, at least 4096); None (default):
             what smptk.comm uses in this process (:func:`heap_bytes_in_force`).
-        loss: how the logits meet the loss at tp > 1 (one of :data:`LOSSES`): ``"vocab_parallel"``
-            (default), smptk's vocab-parallel cross-entropy on ``[T, V/tp]`` logits (the reference
-            Transformer, ``examples/parallel_llama.py``); ``"gathered"``, the full ``[T, V]`` logits on
-            every rank, as :func:`~smptk.parallel.transform` gives Hugging Face's ``labels=`` loss.
+        loss: how the logits meet the loss at tp > 1 (one of :data:`LOSSES`): ``"vocab_parallel"``,
+            smptk's vocab-parallel cross-entropy on ``[T, V/tp]`` logits (the reference Transformer,
+            ``examples/parallel_llama.py``); ``"gathered"``, the full ``[T, V]`` logits on every rank, as
+            :func:`~smptk.parallel.transform` gives Hugging Face's ``labels=`` loss. None (default):
+            ``"gathered"`` for ``implementation="hf"``, else ``"vocab_parallel"``.
+        implementation: whose layers run (one of :data:`IMPLEMENTATIONS`): ``"smptk"`` (default), smptk's
+            reference transformer (smptk's norms, RoPE and loss), what the activation terms describe;
+            ``"hf"``, a Hugging Face model prepared with :func:`~smptk.parallel.transform`, which keeps
+            more (README, Memory planning): the plan adds that excess as its own term, "activations:
+            Hugging Face layers (transform)", and gathers the logits. The excess is measured on Llama, so
+            ``"hf"`` takes the dense Llama-structured models only (RMSNorm, SwiGLU, RoPE, no q / k norms,
+            no MoE layers, no MLA); a model built from a Hugging Face ``config.json`` is estimated with
+            smptk's layers unless this says ``"hf"``.
     """
     spec = model_spec(model)
     cfg = parallel_config(config)
@@ -339,6 +355,7 @@ def estimate_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}: expected an int >= 1, got {value!r}")
     spec.check_seq_len(seq_len)
+    loss = resolve_loss(spec, implementation, loss)
     check_choices(optimizer, attention, loss)
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected True, False or None, got {sequence_parallel!r}")
@@ -357,6 +374,8 @@ def estimate_memory(
     terms += _model_state_terms(spec, cfg, sizes, engine, optimizer)
     acts, host, per_block = _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp, loss)
     terms += acts
+    if implementation == "hf":
+        terms.append(_hf_excess_term(spec, cfg, sizes, seq_len, micro_batch, attention, sp))
     terms += _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block, loss)
     terms += _heap_terms(sizes, cl, heap_bytes, engine)
     allocated = sum(x.bytes for x in terms)
@@ -368,7 +387,7 @@ def estimate_memory(
     )  # fmt: skip
     return MemoryEstimate(
         spec, cfg, world_size, dict(sizes), seq_len, micro_batch, optimizer, attention, sp, engine,
-        tuple(terms), host, cl,
+        tuple(terms), host, cl, implementation,
     )  # fmt: skip
 
 
@@ -382,6 +401,43 @@ def check_choices(optimizer: str, attention: str, loss: str) -> None:
     ):
         if not isinstance(value, str) or value not in choices:
             raise ValueError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+def resolve_loss(spec: ModelSpec, implementation: str, loss: str | None) -> str:
+    """The loss a plan counts for ``implementation`` (see :func:`estimate_memory`; :func:`check_choices`
+    checks it): ``ValueError`` naming the argument for an implementation outside :data:`IMPLEMENTATIONS`,
+    for ``"hf"`` with a model the measured excess does not describe, and for ``"hf"`` with
+    ``"vocab_parallel"`` (transform gathers the logits)."""
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}"
+        )
+    if implementation == "smptk":
+        return "vocab_parallel" if loss is None else loss
+    unlike = [
+        what
+        for what, differs in (
+            ("MoE layers", spec.is_moe),
+            ("MLA attention", spec.is_mla),
+            ("q / k norms", spec.qk_norm),
+            (f"a {spec.mlp} MLP", spec.mlp != "swiglu"),
+            (f"{spec.norm} norms", spec.norm != "rmsnorm"),
+            ("learned positions", bool(spec.learned_positions)),
+        )
+        if differs
+    ]
+    if unlike:
+        raise ValueError(
+            f"implementation: 'hf' adds the excess measured on Hugging Face's Llama through transform; "
+            f"{spec.name} has {', '.join(unlike)}, which it does not describe (estimate with 'smptk' and "
+            "measure the difference)"
+        )
+    if loss == "vocab_parallel":
+        raise ValueError(
+            "loss: 'vocab_parallel' with implementation 'hf': transform gathers the logits for Hugging "
+            "Face's labels= loss; pass 'gathered' or None"
+        )
+    return "gathered" if loss is None else loss  # anything else goes on to check_choices
 
 
 def heap_bytes_in_force(heap_bytes: int | None = None) -> int:
@@ -638,6 +694,28 @@ def _activation_terms(spec, cfg, sizes, seq_len, micro_batch, attention, sp, los
     )  # fmt: skip
     per_block = max(dense["none"] if n_dense else 0, moe["none"] if moe else 0)  # the kinds it has
     return terms, host, per_block
+
+
+def _hf_excess_term(spec, cfg, sizes, seq_len, micro_batch, attention, sp) -> MemoryTerm:
+    """What a Hugging Face Llama prepared with transform keeps beyond smptk's reference transformer, by the
+    rule measured exactly at tp 1 and 2 (module docstring; README, Memory planning)."""
+    B = _COMPUTE_BYTES[cfg.mixed_precision]
+    t = sizes["tp"]
+    b, s, h, L, d = micro_batch, seq_len, spec.hidden_size, spec.num_layers, spec.head_dim
+    T = b * s
+    Tr = T // t if sp else T
+    full = cfg.activation_checkpointing == "none"
+    norms = (2 * L + 1 if full else 1) * 4 * Tr * h  # Hugging Face's RMSNorm: fp32 product or input copy
+    excess = norms + 2 * s * d * B + 4 + (8 if b == 1 else 0)  # RoPE's cos and sin; the loss
+    if not full:  # the position ids (and eager's additive mask) the checkpointed blocks are called with
+        excess += 8 * s + (b * s * s * B if attention == "materialized" else 0)
+    elif attention == "materialized":  # no boolean mask; in 16 bits an fp32 softmax over a / tp heads
+        excess += -L * s * s + (4 * L * b * (spec.num_heads // t) * s * s if B == 2 else 0)
+    which = f"{2 * L + 1} RMSNorms'" if full else "the final RMSNorm's"
+    return MemoryTerm(
+        "activations: Hugging Face layers (transform)", excess, "activations",
+        f"{which} fp32 copies, RoPE cos / sin, call arguments, loss (measured on Llama)",
+    )  # fmt: skip
 
 
 def _transient_terms(spec, cfg, sizes, engine, seq_len, micro_batch, per_block, loss) -> list[MemoryTerm]:
