@@ -11,8 +11,6 @@ import torch
 
 from smptk import settings
 
-POISON_ENV = "SMPTK_POISON_OUTPUTS"
-
 
 def poison_enabled() -> bool:
     """``SMPTK_POISON_OUTPUTS`` (see :mod:`smptk.settings`), read at every allocation."""

@@ -23,7 +23,6 @@ ABORT_OFFSET = SIGNAL_BYTES
 CALL_OFFSET = SIGNAL_BYTES + 64  # 8-byte aligned; three int64 words
 SEEN_OFFSET = SIGNAL_BYTES + 128  # MAX_WORLD x 3 int64 words = 1536 bytes, ends well inside CONTROL_BYTES
 BLOCKS_OFFSET = SIGNAL_BYTES + 2048  # MAX_WORLD int64 words = 512 bytes, after SEEN's 1536
-CALL_WORDS = 3
 DATA_OFFSET = SIGNAL_BYTES + CONTROL_BYTES
 
 # Reduction op codes, the kernels' OP constexpr (smptk.kernels.collectives._combine).
