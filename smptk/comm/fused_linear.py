@@ -73,6 +73,7 @@ from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
     autocast_inputs,
     check_activation,
+    check_bias,
     check_float_tensor,
     check_same,
     check_weight,
@@ -136,10 +137,7 @@ def _checked_bias(bias, weight_local: torch.Tensor, x_name: str, x: torch.Tensor
     """``bias`` checked against the weight shard (``[N]``, x's dtype and device), contiguous; or None."""
     if bias is None:
         return None
-    check_float_tensor("bias", bias)
-    check_same("bias", bias, x_name, x)
-    if bias.shape != (weight_local.shape[0],):
-        raise ValueError(f"bias: expected shape ({weight_local.shape[0]},), got {tuple(bias.shape)}")
+    check_bias(bias, (weight_local.shape[0],), "weight_local's N", x, x_name)
     return bias.contiguous()
 
 

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+# The activations the linear ops take, each with its PyTorch form (the ops' PyTorch path).
+TORCH_ACTIVATIONS = {
+    None: lambda z: z,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+ACTIVATIONS = tuple(TORCH_ACTIVATIONS)
 
 
 def check_float_tensor(name: str, t: object) -> torch.Tensor:
@@ -35,6 +44,14 @@ def check_weight(name: str, w: torch.Tensor, x: torch.Tensor, x_name: str = "x")
             f"{name}: shape {tuple(w.shape)} needs K={w.shape[1]} input features but {x_name} has "
             f"{x.shape[-1]} ({x_name}.shape={tuple(x.shape)})"
         )
+
+
+def check_bias(bias: object, shape: tuple[int, ...], what: str, x: torch.Tensor, x_name: str = "x") -> None:
+    """``bias`` is a float tensor of ``x``'s dtype and device, of shape ``shape`` (that of ``what``)."""
+    check_float_tensor("bias", bias)
+    check_same("bias", bias, x_name, x)
+    if bias.shape != shape:
+        raise ValueError(f"bias: expected shape {shape} to match {what}, got {tuple(bias.shape)}")
 
 
 def check_input(x: torch.Tensor) -> None:

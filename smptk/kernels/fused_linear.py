@@ -44,11 +44,11 @@ import torch.nn.functional as F
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
+    TORCH_ACTIVATIONS,
     autocast_inputs,
     check_activation,
-    check_float_tensor,
+    check_bias,
     check_input,
-    check_same,
     check_weight,
 )
 from smptk.kernels._dispatch import (
@@ -175,17 +175,8 @@ class FusedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-_TORCH_ACTIVATIONS = {
-    None: lambda z: z,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
 def _fused_linear_torch(x, weight, bias, activation):
-    return _TORCH_ACTIVATIONS[activation](F.linear(x, weight, bias))
+    return TORCH_ACTIVATIONS[activation](F.linear(x, weight, bias))
 
 
 def fused_linear(
@@ -221,12 +212,7 @@ def fused_linear(
     check_weight("weight", weight, x)
     check_activation(activation)
     if bias is not None:
-        check_float_tensor("bias", bias)
-        check_same("bias", bias, "x", x)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(
-                f"bias: expected shape ({weight.shape[0]},) to match weight's N, got {tuple(bias.shape)}"
-            )
+        check_bias(bias, (weight.shape[0],), "weight's N", x)
     if runtime.select_path(x, weight, bias) == "torch":
         return _fused_linear_torch(x, weight, bias, activation)
     lead = x.shape[:-1]

@@ -67,8 +67,10 @@ from smptk import settings
 from smptk.kernels import runtime
 from smptk.kernels._buffers import new_buffer
 from smptk.kernels._checks import (
+    TORCH_ACTIVATIONS,
     autocast_inputs,
     check_activation,
+    check_bias,
     check_float_tensor,
     check_input,
     check_same,
@@ -335,15 +337,6 @@ def _check_offsets(offsets: object, x: torch.Tensor, E: int, path: str) -> torch
     return offsets
 
 
-_TORCH_ACTIVATIONS = {
-    None: lambda z: z,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
 def _per_expert(x, offsets, fn) -> torch.Tensor:
     """Concatenate ``fn(e, x_e)`` over experts; one host read of the offsets (the PyTorch path only).
     Empty experts run too, so their weights get exact-zero gradients from autograd."""
@@ -390,16 +383,11 @@ def grouped_linear(
     check_activation(activation)
     E, N = weight.shape[:2]
     if bias is not None:
-        check_float_tensor("bias", bias)
-        check_same("bias", bias, "x", x)
-        if bias.shape != (E, N):
-            raise ValueError(
-                f"bias: expected shape ({E}, {N}) to match weight's [E, N], got {tuple(bias.shape)}"
-            )
+        check_bias(bias, (E, N), "weight's [E, N]", x)
     path = runtime.select_path(x, weight, bias)
     offsets = _check_offsets(offsets, x, E, path)
     if path == "torch":
-        act = _TORCH_ACTIVATIONS[activation]
+        act = TORCH_ACTIVATIONS[activation]
         return _per_expert(
             x, offsets, lambda e, xe: act(F.linear(xe, weight[e], None if bias is None else bias[e]))
         )

@@ -92,7 +92,7 @@ from smptk.comm import collectives as _coll
 from smptk.comm.fused_linear import all_gather_linear, linear_reduce_scatter
 from smptk.kernels import fused_linear, runtime
 from smptk.kernels import swiglu as swiglu_kernel
-from smptk.kernels._checks import ACTIVATIONS, SUPPORTED_DTYPES, autocast_inputs
+from smptk.kernels._checks import SUPPORTED_DTYPES, autocast_inputs, check_activation
 from smptk.kernels._dispatch import dispatcher_op, first_derivative_only, gemm_flops
 from smptk.kernels._triton import kernel_module
 from smptk.parallel.shard_init import fill_shard, init_generator, init_linear, local
@@ -454,8 +454,7 @@ class ColumnParallelLinear(_TensorParallelLayer):
         self.in_features = _check_size("in_features", in_features)
         self.out_features = _check_size("out_features", out_features)
         _check_divisible("out_features", out_features, self.tp_size, "choose out_features divisible by it")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
+        check_activation(activation)
         self.swiglu = _check_bool("swiglu", swiglu)
         if swiglu and activation is not None:
             raise ValueError(

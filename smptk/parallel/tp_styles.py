@@ -72,7 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from smptk.kernels._checks import ACTIVATIONS
+from smptk.kernels._checks import check_activation
 from smptk.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -199,8 +199,7 @@ class SmptkColwiseParallel(_LayerStyle):
         gather_output: bool = False,
     ) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: {activation!r} is not supported; expected one of {ACTIVATIONS}")
+        check_activation(activation)
         self.options = {
             "activation": activation,
             "sequence_parallel": _check_bool("sequence_parallel", sequence_parallel),
