@@ -373,9 +373,7 @@ class _MissingTriton(_MissingModule):
     def autotune(*args: Any, **kwargs: Any) -> Callable[[Any], _Unlaunchable]:
         return _Unlaunchable
 
-    @staticmethod
-    def heuristics(*args: Any, **kwargs: Any) -> Callable[[Any], _Unlaunchable]:
-        return _Unlaunchable
+    heuristics = autotune  # triton.heuristics(...) too: a decorator that makes an unlaunchable kernel
 
 
 __all__ = [
