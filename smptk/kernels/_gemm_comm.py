@@ -295,8 +295,29 @@ def _gemm_reduce_scatter_kernel(
 # --- host side (kernels layer: no torch.distributed; smptk.comm.fused_linear launches it) ----------------
 
 
+class _FusedGemm:
+    """What the two fused launches share: the collectives' launch path indexes one with its grid of
+    ``comm_programs`` (the copy or reduce programs, ``_stage``) and calls the result; the GEMM's load path
+    is the engine's choice for its A operand, the weight shard seen as ``[K, N]`` and its store targets."""
+
+    _stage = ""
+
+    def __getitem__(self, grid: tuple[int]):
+        if grid != (self.comm_programs,):
+            raise ValueError(f"grid: expected ({self.comm_programs},) {self._stage} programs, got {grid}")
+        return self._run
+
+    def _choose_tma(self, a: torch.Tensor, *stores: torch.Tensor | None) -> bool:
+        """Whether the GEMM takes the TMA load path, as the engine chooses it for these operands; recorded
+        as the engine's :func:`~smptk.kernels._gemm.last_path`."""
+        ops = [(t, t.stride(), *t.shape) for t in (a, self.w_NK.t(), *stores) if t is not None]
+        tma = _gemm._choose_tma(a.device, a.dtype, ops)
+        _gemm._LAST_PATH[0] = "tma" if tma else "pointer"
+        return tma
+
+
 @dataclasses.dataclass
-class AllGatherMatmul:
+class AllGatherMatmul(_FusedGemm):
     """One all-gather GEMM, ready to launch through the collectives' launch path.
 
     ``smptk.comm.collectives._launch(heap, op, comm_programs, (), (), call=...)`` calls
@@ -318,30 +339,17 @@ class AllGatherMatmul:
     bias_N: torch.Tensor | None = None
     z_TN: torch.Tensor | None = None
     activation: int = ACT_NONE
-
-    def __getitem__(self, grid: tuple[int]):
-        if grid != (self.comm_programs,):
-            raise ValueError(f"grid: expected ({self.comm_programs},) copy programs, got {grid}")
-        return self._run
-
-    def path(self) -> str:
-        """The GEMM's load path: "tma" or "pointer" (as the engine chooses for these operands)."""
-        b = self.w_NK.t()
-        stores = [t for t in (self.out_TN, self.z_TN) if t is not None]
-        ops = [(self.g_TK, self.g_TK.stride(), *self.g_TK.shape), (b, b.stride(), *b.shape)]
-        ops += [(t, t.stride(), *t.shape) for t in stores]
-        return "tma" if _gemm._choose_tma(self.g_TK.device, self.g_TK.dtype, ops) else "pointer"
+    _stage = "copy"
 
     def _run(self, data_W, signal_W, status, rank, world, timeout_ns, **collective_meta: Any) -> None:
         g, out = self.g_TK, self.out_TN
         M, R = g.shape
         C = out.shape[1]
         b = self.w_NK.t()  # [K, N] view
-        tma = self.path() == "tma"
+        tma = self._choose_tma(g, out, self.z_TN)
         cfg, gemm_programs = _plan(g, C, world, tma, self.comm_programs)
         z = self.z_TN if self.z_TN is not None else out
         bias = self.bias_N if self.bias_N is not None else out
-        _gemm._LAST_PATH[0] = "tma" if tma else "pointer"
         _all_gather_gemm_kernel[(self.comm_programs + gemm_programs,)](
             self.x_TwK, g, b, out, z, bias, self.ready_W,
             M, C, R, b.stride(0), b.stride(1), out.stride(0), z.stride(0),
@@ -354,7 +362,7 @@ class AllGatherMatmul:
 
 
 @dataclasses.dataclass
-class MatmulReduceScatter:
+class MatmulReduceScatter(_FusedGemm):
     """One GEMM + reduce-scatter, ready to launch through the collectives' launch path (as
     :class:`AllGatherMatmul`).
 
@@ -369,27 +377,16 @@ class MatmulReduceScatter:
     ready: torch.Tensor
     comm_programs: int
     bias_N: torch.Tensor | None = None
-
-    def __getitem__(self, grid: tuple[int]):
-        if grid != (self.comm_programs,):
-            raise ValueError(f"grid: expected ({self.comm_programs},) reduce programs, got {grid}")
-        return self._run
-
-    def path(self) -> str:
-        """The GEMM's load path, "tma" or "pointer" (its stores into the peers' regions are plain stores)."""
-        b = self.w_NK.t()
-        ops = [(self.x_TK, self.x_TK.stride(), *self.x_TK.shape), (b, b.stride(), *b.shape)]
-        return "tma" if _gemm._choose_tma(self.x_TK.device, self.x_TK.dtype, ops) else "pointer"
+    _stage = "reduce"
 
     def _run(self, data_W, signal_W, status, rank, world, timeout_ns, **collective_meta: Any) -> None:
         x, out = self.x_TK, self.out_TwN
         M, R = x.shape
         C = out.shape[1]
         b = self.w_NK.t()  # [K, N] view
-        tma = self.path() == "tma"
+        tma = self._choose_tma(x)  # its stores into the peers' regions are plain stores: not operands
         cfg, gemm_programs = _plan(x, C, world, tma, self.comm_programs + 1)
         bias = self.bias_N if self.bias_N is not None else out
-        _gemm._LAST_PATH[0] = "tma" if tma else "pointer"
         _gemm_reduce_scatter_kernel[(1 + gemm_programs + self.comm_programs,)](
             x, b, out, bias, self.ready,
             M, C, R, x.stride(0), b.stride(0), b.stride(1),
