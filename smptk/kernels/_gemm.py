@@ -334,21 +334,19 @@ def _gemm_tiles(
     SUB_N: tl.constexpr = BLOCK_N // EPI_SUB
     EPI_TMA: tl.constexpr = TMA and (GROUPING != 4)  # see the docstring: GROUPING=4 stores with pointers
     if TMA:
-        if GROUPING >= 3:  # one A and B for every tile; C's descriptor ends at the tile's block (below)
+        # Built once where every tile shares them: A but for GROUPING=2 (its reduction range is the tile's
+        # expert's rows), B where no expert picks it (GROUPING 0, 3, 4), C for GROUPING=0 (1 and 3 end it at
+        # the tile's expert or block). The others are built per tile (below).
+        if GROUPING != 2:
             a_desc = _desc_a(a_ptr, M, R, s_am, s_ar, A_T, BLOCK_M, BLOCK_K)
+        if (GROUPING == 0) or (GROUPING >= 3):
             b_desc = _desc_b(b_ptr, R, C, s_br, s_bc, B_T, BLOCK_K, BLOCK_N)
         if GROUPING == 0:
-            a_desc = _desc_a(a_ptr, M, R, s_am, s_ar, A_T, BLOCK_M, BLOCK_K)
-            b_desc = _desc_b(b_ptr, R, C, s_br, s_bc, B_T, BLOCK_K, BLOCK_N)
             c_desc = tl.make_tensor_descriptor(c_ptr, [M, C], [s_cm, 1], [BLOCK_M, SUB_N])
-            if DUAL == 1:
-                a2_desc = _desc_a(a2_ptr, M, R, s_a2m, s_a2r, A2_T, BLOCK_M, BLOCK_K)
-            if DUAL != 0:
-                b2_desc = _desc_b(b2_ptr, R, C, s_b2r, s_b2c, B2_T, BLOCK_K, BLOCK_N)
-        if GROUPING == 1:
-            a_desc = _desc_a(a_ptr, M, R, s_am, s_ar, A_T, BLOCK_M, BLOCK_K)
-            if DUAL == 1:
-                a2_desc = _desc_a(a2_ptr, M, R, s_a2m, s_a2r, A2_T, BLOCK_M, BLOCK_K)
+        if (GROUPING <= 1) and (DUAL == 1):
+            a2_desc = _desc_a(a2_ptr, M, R, s_a2m, s_a2r, A2_T, BLOCK_M, BLOCK_K)
+        if (GROUPING == 0) and (DUAL != 0):
+            b2_desc = _desc_b(b2_ptr, R, C, s_b2r, s_b2c, B2_T, BLOCK_K, BLOCK_N)
     # Flattened (the next tile's loads issue during this tile's epilogue) for the dense GEMMs but SwiGLU's
     # forward: H100, triton 3.6, 16384x4096->14336 bf16 (do_bench medians, one run): GELU fwd 3.15 -> 2.94 ms
     # flattened; SwiGLU fwd 5.47 ms nested, 6.89 ms flattened (two accumulators in flight).
@@ -362,28 +360,23 @@ def _gemm_tiles(
             row0 = pid_m.to(tl.int64) * BLOCK_M
             row_end = M + row0 * 0
             r_lo, r_hi = expert_rows(offsets_ptr, R, expert)
-        elif GROUPING >= 3:
-            pid_m, pid_n = swizzle(tile, num_m, num_n, GROUP_M)
-            # rank-rotated: GROUPING=3 this rank's rows first, 4 this rank's rows last
-            q = (rank + (GROUPING - 3) + pid_m // per_block) % world
-            expert = pid_m.to(tl.int64) * 0
-            row_end = (q.to(tl.int64) + 1) * block_rows
-            row0 = row_end - block_rows + (pid_m % per_block).to(tl.int64) * BLOCK_M
-            r_lo = row0 * 0
-            r_hi = R + row0 * 0
-            if GROUPING == 3:
-                _wait_ready(ready_ptr + q, ready_target, abort_ptr, start_ns, timeout_ns, USE_CLOCK)
-        elif GROUPING == 1:
-            pid_m, pid_n = swizzle(tile, num_m, num_n, GROUP_M)
-            expert, row0, row_end = expert_row_tile(offsets_ptr, E, M, pid_m, BLOCK_M, EXPERT_BLOCK)
-            r_lo = row0 * 0
-            r_hi = R + row0 * 0
         else:
             pid_m, pid_n = swizzle(tile, num_m, num_n, GROUP_M)
-            expert = pid_m.to(tl.int64) * 0
-            row0 = pid_m.to(tl.int64) * BLOCK_M
-            row_end = M + row0 * 0
-            r_lo = row0 * 0
+            if GROUPING >= 3:
+                # rank-rotated: GROUPING=3 this rank's rows first, 4 this rank's rows last
+                q = (rank + (GROUPING - 3) + pid_m // per_block) % world
+                expert = pid_m.to(tl.int64) * 0
+                row_end = (q.to(tl.int64) + 1) * block_rows
+                row0 = row_end - block_rows + (pid_m % per_block).to(tl.int64) * BLOCK_M
+                if GROUPING == 3:
+                    _wait_ready(ready_ptr + q, ready_target, abort_ptr, start_ns, timeout_ns, USE_CLOCK)
+            elif GROUPING == 1:
+                expert, row0, row_end = expert_row_tile(offsets_ptr, E, M, pid_m, BLOCK_M, EXPERT_BLOCK)
+            else:
+                expert = pid_m.to(tl.int64) * 0
+                row0 = pid_m.to(tl.int64) * BLOCK_M
+                row_end = M + row0 * 0
+            r_lo = row0 * 0  # the whole reduction (GROUPING=2's is the tile's expert's rows)
             r_hi = R + row0 * 0
         col0 = pid_n.to(tl.int64) * BLOCK_N
         # GROUPING=1 launches an upper bound of row tiles; the extra ones have no rows. Elsewhere every tile
@@ -402,10 +395,7 @@ def _gemm_tiles(
                     b_desc = _desc_b(b_ptr + expert * s_be, R, C, s_br, s_bc, B_T, BLOCK_K, BLOCK_N)
                     if DUAL != 0:
                         b2_desc = _desc_b(b2_ptr + expert * s_b2e, R, C, s_b2r, s_b2c, B2_T, BLOCK_K, BLOCK_N)
-                    c_desc = tl.make_tensor_descriptor(
-                        c_ptr, [row_end.to(tl.int32), C], [s_cm, 1], [BLOCK_M, SUB_N]
-                    )
-                if GROUPING == 3:
+                if (GROUPING == 1) or (GROUPING == 3):  # C ends at the last row of the tile's expert / block
                     c_desc = tl.make_tensor_descriptor(
                         c_ptr, [row_end.to(tl.int32), C], [s_cm, 1], [BLOCK_M, SUB_N]
                     )
@@ -505,23 +495,16 @@ def _gemm_tiles(
                             z2_ptr, [row_end.to(tl.int32), C], [s_zm, 1], [BLOCK_M, SUB_N]
                         )
             if store:
-                if EPI_SUB == 2:
-                    acc_l, acc_r = _halves(acc, BLOCK_M, BLOCK_N)
-                    acc2_l, acc2_r = _halves(acc2, BLOCK_M, BLOCK_N)
-                    _epilogue(
-                        acc_l, acc2_l, row0, col0, row_end, C, expert, c_base, c_desc, z_ptr, z_desc, z2_ptr,
-                        z2_desc, bias_ptr, s_cm, s_cc, s_zm, s_zc, s_biase,
-                        DUAL, ACTIVATION, HAS_BIAS, STORE_Z, EPI_TMA, BLOCK_M, SUB_N,
-                    )  # fmt: skip
-                    _epilogue(
-                        acc_r, acc2_r, row0, col0 + SUB_N, row_end, C, expert, c_base, c_desc, z_ptr, z_desc,
-                        z2_ptr, z2_desc, bias_ptr, s_cm, s_cc, s_zm, s_zc, s_biase,
-                        DUAL, ACTIVATION, HAS_BIAS, STORE_Z, EPI_TMA, BLOCK_M, SUB_N,
-                    )  # fmt: skip
+                if EPI_SUB == 2:  # the accumulators in halves along N, half h stored at its columns
+                    parts = _halves(acc, BLOCK_M, BLOCK_N)
+                    parts2 = _halves(acc2, BLOCK_M, BLOCK_N)
                 else:
+                    parts = (acc,)
+                    parts2 = (acc2,)
+                for h in tl.static_range(EPI_SUB):
                     _epilogue(
-                        acc, acc2, row0, col0, row_end, C, expert, c_base, c_desc, z_ptr, z_desc, z2_ptr,
-                        z2_desc, bias_ptr, s_cm, s_cc, s_zm, s_zc, s_biase,
+                        parts[h], parts2[h], row0, col0 + h * SUB_N, row_end, C, expert, c_base, c_desc,
+                        z_ptr, z_desc, z2_ptr, z2_desc, bias_ptr, s_cm, s_cc, s_zm, s_zc, s_biase,
                         DUAL, ACTIVATION, HAS_BIAS, STORE_Z, EPI_TMA, BLOCK_M, SUB_N,
                     )  # fmt: skip
                 if GROUPING == 4:
