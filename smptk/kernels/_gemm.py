@@ -732,6 +732,8 @@ class _Launch:
         a, b, c = self.a, self.b, self.c
         M, R = a.shape
         C = b.shape[2]
+        if M == 0 or C == 0:  # an empty output: nothing to launch
+            return
         device = a.device
         tma = _choose_tma(device, a.dtype, self.tma_operands())
         _LAST_PATH[0] = "tma" if tma else "pointer"
@@ -807,8 +809,6 @@ def matmul(
 
     Operands are any strided 2-D views (``a2`` has ``a``'s shape, ``b2`` ``b``'s); bias ``[N]`` contiguous.
     """
-    if out_MN.shape[0] == 0 or out_MN.shape[1] == 0:
-        return out_MN
     _Launch(
         a=a_MK, b=_lift(b_KN), c=_lift(out_MN), a2=a2_MK, b2=None if b2_KN is None else _lift(b2_KN),
         z=z_out_MN, bias=None if bias_N is None else _lift(bias_N),
@@ -825,9 +825,7 @@ def swiglu_matmul(
     h_M2N: torch.Tensor | None,
 ) -> torch.Tensor:
     """``y = silu(x @ wg) * (x @ wu)`` reading x once; ``h = [x @ wg | x @ wu]`` stored when given."""
-    M, N = y_MN.shape
-    if M == 0 or N == 0:
-        return y_MN
+    N = y_MN.shape[1]
     _Launch(
         a=x_MK, b=_lift(wg_KN), b2=_lift(wu_KN), c=_lift(y_MN),
         z=None if h_M2N is None else h_M2N[:, :N], z2=None if h_M2N is None else h_M2N[:, N:],
@@ -849,8 +847,6 @@ def grouped_matmul(
     b2_ERC: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[rows of e] = act(a[rows of e] @ b[e] (+ a2 @ b2[e]) + bias[e])`` for every expert, one launch."""
-    if out_TC.shape[0] == 0 or out_TC.shape[1] == 0:
-        return out_TC
     _Launch(
         a=a_TR, b=b_ERC, c=_lift(out_TC), offsets=offsets, a2=a2_TR, b2=b2_ERC, z=z_TC, bias=bias_EC,
         grouping=GROUP_ROWS, dual=DUAL_SUM if a2_TR is not None else DUAL_NONE, activation=activation,
@@ -868,9 +864,7 @@ def grouped_swiglu_matmul(
     h_T2N: torch.Tensor | None,
 ) -> torch.Tensor:
     """``y = silu(x_e @ wg[e]) * (x_e @ wu[e])`` per expert, x read once; ``h = [g | u]`` when given."""
-    T, N = y_TN.shape
-    if T == 0 or N == 0:
-        return y_TN
+    N = y_TN.shape[1]
     _Launch(
         a=x_TK, b=wg_EKN, b2=wu_EKN, c=_lift(y_TN), offsets=offsets,
         z=None if h_T2N is None else h_T2N[:, :N], z2=None if h_T2N is None else h_T2N[:, N:],
