@@ -12,15 +12,10 @@ import torch
 from smptk import settings
 
 
-def poison_enabled() -> bool:
-    """``SMPTK_POISON_OUTPUTS`` (see :mod:`smptk.settings`), read at every allocation."""
-    return settings.poison_outputs()
-
-
 def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty(shape)``; NaN-filled when ``SMPTK_POISON_OUTPUTS=1``."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if poison_enabled():
+    if settings.poison_outputs():  # read at every allocation
         out.fill_(float("nan"))
     return out
 
@@ -29,6 +24,6 @@ def new_index_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     """``torch.empty`` for an integer output; under ``SMPTK_POISON_OUTPUTS=1`` filled with the dtype's
     minimum (NaN does not exist for integers), which no kernel here ever writes."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if poison_enabled():
+    if settings.poison_outputs():
         out.fill_(torch.iinfo(dtype).min)
     return out

@@ -398,11 +398,11 @@ class MatmulReduceScatter(_FusedGemm):
 
 
 def _plan(a: torch.Tensor, C: int, world: int, tma: bool, other_programs: int) -> tuple[Config, int]:
-    """The config and GEMM program count of a launch whose A operand is ``a [M, R]`` (M rows in ``world``
-    blocks) and whose grid has ``other_programs`` more: on CUDA the whole grid fits the SMs (see the module
-    docstring)."""
+    """The config (the engine's default tile for a dense ``[M, C]`` product) and GEMM program count of a
+    launch whose A operand is ``a [M, R]`` (M rows in ``world`` blocks) and whose grid has ``other_programs``
+    more: on CUDA the whole grid fits the SMs (see the module docstring)."""
     M = a.shape[0]
-    cfg = config(M, C, a.dtype, tma)
+    cfg = _gemm._default_config(_gemm._configs(tma, DUAL_NONE, a.dtype), M, C)  # no autotuning: docstring
     tiles = world * triton.cdiv(M // world, cfg.block_m) * triton.cdiv(C, cfg.block_n)
     if a.device.type == "cuda":
         sms = _gemm._sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
@@ -412,11 +412,6 @@ def _plan(a: torch.Tensor, C: int, world: int, tma: bool, other_programs: int) -
     if tma:
         ensure_allocator()
     return cfg, programs
-
-
-def config(M: int, C: int, dtype: torch.dtype, tma: bool) -> Config:
-    """The engine's default tile for a dense ``[M, C]`` product (no autotuning: see the module docstring)."""
-    return _gemm._default_config(_gemm._configs(tma, DUAL_NONE, dtype), M, C)
 
 
 # --- compile coverage ---------------------------------------------------------------------------------------
