@@ -175,10 +175,6 @@ class FusedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _fused_linear_torch(x, weight, bias, activation):
-    return TORCH_ACTIVATIONS[activation](F.linear(x, weight, bias))
-
-
 def fused_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -214,7 +210,7 @@ def fused_linear(
     if bias is not None:
         check_bias(bias, (weight.shape[0],), "weight's N", x)
     if runtime.select_path(x, weight, bias) == "torch":
-        return _fused_linear_torch(x, weight, bias, activation)
+        return TORCH_ACTIVATIONS[activation](F.linear(x, weight, bias))
     lead = x.shape[:-1]
     x_MK = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if bias is not None and bias.stride(0) != 1:
