@@ -817,6 +817,17 @@ def test_materialize_refuses_a_module_it_cannot_initialize(world1) -> None:
     assert all(p.is_meta for p in model.parameters()), "nothing was allocated"
 
 
+def test_materialize_refuses_the_meta_device(world1) -> None:
+    """device="meta" gave torch's "Cannot copy out of meta tensor; no data!" from inside the resets (a
+    NotImplementedError, after to_empty had run): now refused, naming ``device``, with the model untouched."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    for device in ("meta", torch.device("meta")):
+        with pytest.raises(ValueError, match=r"device: expected a device with memory .*, got meta"):
+            materialize(model, world1, device=device)
+    assert all(p.is_meta for p in model.parameters()), "nothing was allocated"
+
+
 def test_materialize_refuses_parameters_no_reset_wrote(world1) -> None:
     """A subclass that adds parameters and inherits its parent's reset_parameters (LoRA-style) passed the
     check above, and its extra parameters kept to_empty's memory; now they are named after the resets."""

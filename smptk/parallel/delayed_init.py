@@ -119,8 +119,8 @@ def materialize(
     Raises:
         TypeError: ``model`` is not an nn.Module, or ``state`` not a ParallelState (a config dict, say).
         ValueError: a parameter or buffer is not on the meta device (materializing would discard its
-            values), or a module holding parameters or buffers has no ``reset_parameters`` (nothing would
-            give them values); raised before anything is allocated.
+            values), a module holding parameters or buffers has no ``reset_parameters`` (nothing would
+            give them values), or ``device`` is the meta device; raised before anything is allocated.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -147,6 +147,11 @@ def materialize(
             "allow_uninitialized=True when a checkpoint is loaded next"
         )
     target = torch.device(device) if device is not None else _device(state)
+    if target.type == "meta":  # to_empty would keep the model on meta and the resets could not write it
+        raise ValueError(
+            f"device: expected a device with memory (cpu, cuda...), got {target}; materialize() allocates "
+            "the meta-built model there"
+        )
     ties = _shared_tensors(model)
     model.to_empty(device=target)  # unties shared tensors (each slot gets its own new tensor)
     for slots in ties:
