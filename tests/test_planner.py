@@ -775,7 +775,10 @@ def test_plan_custom_cluster_file(capsys, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (["--model", "llama9", "--instance", "p5"], "unknown model 'llama9'; presets: llama2-7b"),
+        (
+            ["--model", "llama9", "--instance", "p5"],
+            "error: --model: unknown model 'llama9'; presets: llama2-7b",
+        ),
         (["--model", "llama2-7b", "--instance", "p9"], "unknown instance 'p9'; presets: p4d.24xlarge"),
         (["--model", "llama2-7b", "--instance", "p5", "--config", "{bad"], "--config is not valid JSON"),
         (
@@ -858,7 +861,7 @@ def test_plan_names_a_model_or_cluster_file_that_is_not_json(capsys, tmp_path) -
     bad = tmp_path / "config.json"
     bad.write_text("not json")
     assert main(["plan", "--model", str(bad), "--instance", "p5"]) == 2
-    assert f"config: {str(bad)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
+    assert f"error: --model: {str(bad)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
     assert main(["plan", "--model", "llama2-7b", "--instance", str(bad)]) == 2
     assert f"--instance: {str(bad)!r} is not valid JSON" in capsys.readouterr().err
 
@@ -881,7 +884,7 @@ def test_plan_names_a_file_argument_it_cannot_read(capsys, tmp_path) -> None:
         assert main(["plan", "--model", "llama2-7b", *args]) == 2, args
         assert match in capsys.readouterr().err, args
     assert main(["plan", "--model", str(binary), "--instance", "p5"]) == 2
-    assert f"config: {str(binary)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
+    assert f"error: --model: {str(binary)!r} is not a JSON Hugging Face config" in capsys.readouterr().err
 
 
 def test_plan_reads_an_instance_file_as_it_reads_a_model_file(capsys, tmp_path, monkeypatch) -> None:
@@ -904,6 +907,24 @@ def test_plan_reads_an_instance_file_as_it_reads_a_model_file(capsys, tmp_path, 
     assert json.loads(capsys.readouterr().out)["cluster"] == "p5.48xlarge"
 
 
+def test_plan_names_the_model_flag_for_a_config_it_cannot_plan(capsys, tmp_path) -> None:
+    """from_hf_config's refusals name its argument, ``config``, or the model type: on the command line
+    they said "config: model_type 'bert' is not supported" or "llama: hidden_size must be ...", where the
+    user typed --model (and --config is another flag). They now start with --model."""
+    cases = [
+        ({"model_type": "bert"}, "error: --model: model_type 'bert' is not supported; supported: llama"),
+        (
+            {"model_type": "llama", "hidden_size": "64"},
+            "error: --model: llama: hidden_size must be a positive",
+        ),
+    ]
+    for i, (config, match) in enumerate(cases):
+        path = tmp_path / f"config{i}.json"
+        path.write_text(json.dumps(config))
+        assert main(["plan", "--model", str(path), "--instance", "p5"]) == 2
+        assert match in capsys.readouterr().err, config
+
+
 def test_a_model_path_that_does_not_exist_is_named(capsys, tmp_path) -> None:
     """A --model path with no file behind it (or a directory without config.json) gave the bare
     "[Errno 2] No such file or directory", naming neither the argument nor what was expected."""
@@ -915,7 +936,7 @@ def test_a_model_path_that_does_not_exist_is_named(capsys, tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config: .*config.json' does not exist"):
         model_spec(str(tmp_path))  # a directory without config.json
     assert main(["plan", "--model", missing, "--instance", "p5"]) == 2
-    assert f"config: {missing!r} does not exist" in capsys.readouterr().err
+    assert f"error: --model: {missing!r} does not exist" in capsys.readouterr().err
 
 
 def test_model_spec_describe_and_presets() -> None:

@@ -222,7 +222,11 @@ def run(args: argparse.Namespace, out=None) -> int:
                 "--global-batch-tokens / --top apply to the advice only, not to --config (it evaluates one "
                 "configuration at --micro-batch and --grad-accum)"
             )
-        spec = model_spec(args.model)
+        try:
+            spec = model_spec(args.model)
+        except (ValueError, OSError) as e:  # from_hf_config names its argument, config: here it is --model
+            kind = OSError if isinstance(e, OSError) else ValueError
+            raise kind(f"--model: {str(e).removeprefix('config: ')}") from None
         cl = _load_cluster(args.instance, args.nodes)
         if args.config is not None:
             cfg = _load_config(args.config)
