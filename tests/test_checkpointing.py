@@ -828,6 +828,45 @@ def test_materialize_refuses_the_meta_device(world1) -> None:
     assert all(p.is_meta for p in model.parameters()), "nothing was allocated"
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tie_word_embeddings": True}, {"pad_token_id": 3, "attention_bias": True, "mlp_bias": True}],
+    ids=["untied", "tied", "padded_with_biases"],
+)
+def test_materialize_gives_a_hugging_face_model_its_eager_values(world1, extra: dict) -> None:
+    """A Hugging Face Llama built on meta for training from scratch was refused (its RMSNorms have no
+    reset_parameters), and with allow_uninitialized its norms stayed NaN and its Linear / Embedding layers
+    got torch's default init (the embedding N(0, 1), not N(0, initializer_range)). materialize now replays
+    the eager construction: torch's resets, then each model's post_init() (_init_weights) where its
+    constructor ends. Every parameter and buffer equals the eager build from the same seed, ties hold."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert materialize(model, world1) == 9  # the embedding, 7 projections and the head
+    torch.manual_seed(world1.seed_for())
+    eager = transformers.LlamaForCausalLM(cfg)
+    got = dict(
+        (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    )
+    want = dict(
+        (*eager.named_parameters(remove_duplicate=False), *eager.named_buffers(remove_duplicate=False))
+    )
+    assert got.keys() == want.keys()
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == cfg.tie_word_embeddings
+    assert abs(model.model.layers[0].mlp.up_proj.weight.std().item() - cfg.initializer_range) < 0.005
+    assert all(getattr(m, "_is_hf_initialized", False) for m in model.modules())
+
+
 def test_materialize_refuses_parameters_no_reset_wrote(world1) -> None:
     """A subclass that adds parameters and inherits its parent's reset_parameters (LoRA-style) passed the
     check above, and its extra parameters kept to_empty's memory; now they are named after the resets."""

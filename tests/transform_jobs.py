@@ -26,6 +26,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   state dict has no ``lm_head.weight``): the big-model flow: built under ``torch.device("meta")``,
   transformed, materialized, then ``load_hf_state_dict`` with rank 0's Hugging Face state dict (the
   rotary tables recomputed): every parameter, the logits and the loss equal the Hugging Face model's.
+- ``meta_fresh_tp2_tied_llama`` (tied, padded embedding, MLP biases), ``meta_fresh_dp2_qwen2``: training
+  from scratch: built on meta, transformed, materialized with no checkpoint; every parameter and buffer
+  equals the eager unsharded build's from the same seed (Hugging Face's ``_init_weights`` replayed).
 - ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
   None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
 - ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
@@ -260,7 +263,7 @@ def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> Non
         meta = build(kind, **overrides)
     state = sp.init({"mixed_precision": "fp32", **config})
     module, _ = sp.transform(meta, state=state)
-    sp.materialize(module, state, allow_uninitialized=True)  # HF's norms have no reset_parameters
+    sp.materialize(module, state, allow_uninitialized=True)  # a checkpoint load follows
     saved = ref.state_dict()
     tied = overrides.get("tie_word_embeddings")
     if tied:
@@ -276,6 +279,34 @@ def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> Non
     got = hf_named(module)
     for name, p in ref.state_dict().items():
         _close(problems, f"{name} after load", got[name], p)
+
+
+def _meta_fresh(problems: list[str], kind: str, config: dict, **overrides) -> None:
+    """Training from scratch: built on meta, transformed, materialized with no checkpoint to load. Every
+    parameter and buffer, gathered whole, equals the eager unsharded build from the same seed (the
+    swapped-in layers take what Hugging Face's _init_weights gives the layers they replace), the tie holds."""
+    import transformers
+
+    import smptk.parallel as sp
+
+    cfg = transformers.AutoConfig.for_model(kind, **{**_COMMON, **overrides})
+    state = sp.init({"mixed_precision": "fp32", "random_seed": 5, **config})
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    module, _ = sp.transform(meta, state=state)
+    sp.materialize(module, state)
+    torch.manual_seed(5)
+    want = transformers.AutoModelForCausalLM.from_config(cfg)
+    got = dict((*meta.named_parameters(remove_duplicate=False), *meta.named_buffers(remove_duplicate=False)))
+    for name, t in (
+        *want.named_parameters(remove_duplicate=False),
+        *want.named_buffers(remove_duplicate=False),
+    ):
+        whole = got[name].full_tensor() if hasattr(got[name], "full_tensor") else got[name]
+        if not torch.equal(whole, t):
+            problems.append(f"{name}: differs from the eager build's by {(whole - t).abs().max().item():.3g}")
+    if cfg.tie_word_embeddings:
+        _check_tied(problems, meta, "after materialize")
 
 
 def _odd_sequence(model) -> None:
@@ -501,6 +532,10 @@ CASES = {
     "meta_tp2_tied_qwen3": lambda p: _meta_load(
         p, "qwen3", {"tensor_parallel_degree": 2}, tie_word_embeddings=True
     ),
+    "meta_fresh_tp2_tied_llama": lambda p: _meta_fresh(
+        p, "llama", {"tensor_parallel_degree": 2}, tie_word_embeddings=True, pad_token_id=3, mlp_bias=True
+    ),
+    "meta_fresh_dp2_qwen2": lambda p: _meta_fresh(p, "qwen2", {"hybrid_shard_degree": 0}),
     # tied embeddings: the vocab-parallel embedding and the column-parallel head hold one DTensor
     "tp2_tied_qwen3": lambda p: _train(
         p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True, tie_word_embeddings=True

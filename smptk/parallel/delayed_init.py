@@ -23,14 +23,32 @@ Where values must equal a checkpoint, load it afterwards (:func:`~smptk.parallel
 :func:`~smptk.parallel.load_checkpoint`). Buffers come back uninitialized unless their module's
 ``reset_parameters`` refills them (torch's norms do): a module with a computed buffer must recompute it
 there (Hugging Face's rotary modules, which have no reset, are refilled from their config:
-:func:`refill_rotary`). A module that holds parameters or buffers of its own and has no
-``reset_parameters`` is refused before anything is allocated (its values would be whatever memory
-``to_empty`` gave), and every floating parameter and buffer is filled with NaN before the resets; after
-them each one's version counter (the same on every rank, an empty shard's too) says that a reset wrote
-it, and the floating ones must hold no NaN (a reset that wrote part of one), so one that no reset wrote
+:func:`refill_rotary`). A module that holds parameters or buffers of its own and has no ``reset_parameters``
+(outside a Hugging Face model, see below) is refused before anything is allocated (its values would be
+whatever memory ``to_empty`` gave), and every floating parameter and buffer is filled with NaN before the
+resets; after them each one's version counter (the same on every rank, an empty shard's too) says that a reset
+wrote it, and the floating ones must hold no NaN (a reset that wrote part of one), so one that no reset wrote
 (a subclass adding parameters its inherited reset does not know, a position-id or mask buffer built in
 ``__init__``) is named in a RuntimeError; ``allow_uninitialized=True`` allows both when a checkpoint load
 follows.
+
+Hugging Face models (a ``transformers`` ``PreTrainedModel`` anywhere in ``model``, detected without
+importing transformers): the values are the eager build's, equal to it bit for bit, as for training from
+scratch. An eager build draws torch's default init in each module's constructor, then, where each Hugging
+Face model's constructor ends, its ``post_init()`` draws again: ``_init_weights`` on every module of its
+subtree, children before parents (``normal(0, initializer_range)`` for Linear and Embedding, zero biases,
+ones for norm weights, the padding row zeroed), skipping what a nested model's ``post_init`` marked
+``_is_hf_initialized``, and only then ties the head to the embedding. :func:`materialize` replays that: the
+resets in ``model.modules()`` order, and each model's ``_initialize_weights`` walk after the last module of
+its subtree, before the modules its parent builds next. So its modules need no ``reset_parameters`` (the
+norms), and one its ``_init_weights`` leaves unwritten is named as above. smptk's layers that
+:func:`~smptk.parallel.transform` swapped in (ColumnParallelLinear, RowParallelLinear,
+VocabParallelEmbedding) take the values ``_init_weights`` gives the ``nn.Linear`` / ``nn.Embedding`` they
+replace, drawn full-size on the CPU (each rank keeps its piece), so a transformed model equals the eager
+model too (checked at tp 2 with a tied, padded embedding and biases). Not replayed: an init a module's
+``__init__`` draws with no ``reset_parameters`` (GPT-2's ``Conv1D``: the later draws then differ, their
+distributions do not), and transform's MoE, which keeps its own ``reset_parameters``' values (torch's
+defaults), not ``_init_weights``'.
 
 Order: the resets run in ``model.modules()`` order (a parent before its children), so the values are the
 eager build's when the model builds its submodules in the order it registers them and initializes them
@@ -74,7 +92,10 @@ Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -84,6 +105,7 @@ from torch.overrides import TorchFunctionMode
 
 from smptk.parallel.config import ParallelState, state_or_current
 from smptk.parallel.shard_init import local as _local
+from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def _device(state: ParallelState) -> torch.device:
@@ -99,8 +121,10 @@ def materialize(
     device: torch.device | str | None = None,
     allow_uninitialized: bool = False,
 ) -> int:
-    """Give a meta-built (and possibly sharded) ``model`` memory and initial values; see the module
-    docstring. Collective only in what ``reset_parameters`` does (nothing for torch's and smptk's layers).
+    """Give a meta-built (and possibly sharded) ``model`` memory and initial values: its modules'
+    ``reset_parameters``, and a Hugging Face model's ``_init_weights`` where its eager constructor ran them,
+    so the values are the eager build's (see the module docstring). Collective only in what
+    ``reset_parameters`` does (nothing for torch's and smptk's layers).
 
     Args:
         model: a model whose parameters and buffers are all on the meta device.
@@ -108,7 +132,8 @@ def materialize(
             type and ``seed_for()``.
         device: where to allocate (default: the state's device; CUDA: the current device).
         allow_uninitialized: allow modules that hold parameters or buffers and have no
-            ``reset_parameters`` (a Hugging Face model's norms), and tensors no reset wrote: floating ones
+            ``reset_parameters`` (outside a Hugging Face model, whose ``_init_weights`` initializes its
+            modules), and tensors no reset or ``_init_weights`` wrote: floating ones
             are then NaN, the others uninitialized memory. For a caller that loads a checkpoint next
             (:func:`~smptk.parallel.load_hf_state_dict`, :func:`~smptk.parallel.load_full_state_dict`,
             :func:`~smptk.parallel.load_checkpoint`).
@@ -132,12 +157,15 @@ def materialize(
             f"model: {shown} not on the meta device; materialize() allocates a meta-built model (build it "
             "under torch.device('meta')) and would discard these values"
         )
+    hf_class = _hf_model_class()
+    hf_built = {id(m) for pm in model.modules() if _is_hf_model(pm, hf_class) for m in pm.modules()}
     silent = [
         name or type(m).__name__
         for name, m in model.named_modules()
         if next(iter((*m.parameters(recurse=False), *m.buffers(recurse=False))), None) is not None
         and not callable(getattr(m, "reset_parameters", None))
         and not _is_hf_rotary(m)  # refilled from its config
+        and id(m) not in hf_built  # initialized by the Hugging Face model's _init_weights
     ]
     if silent and not allow_uninitialized:
         shown = ", ".join(silent[:3]) + (f" and {len(silent) - 3} more" if len(silent) > 3 else "")
@@ -172,10 +200,17 @@ def materialize(
         devices = [target.index if target.index is not None else torch.cuda.current_device()]
     ran = 0
     done: set[int] = set()  # tensors a reset has given values (a shared one keeps its first owner's)
+    hf_done: set[int] = set()  # tensors a Hugging Face model's _init_weights has given values
+    for m in model.modules():
+        if id(m) in hf_built:
+            m.__dict__.pop("_is_hf_initialized", None)  # no values yet: every module is initialized
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(state.seed_for())
         with torch.no_grad(), _DataWritesCount(unwritten):
-            for module in model.modules():
+            for module, closing in _construction_order(model, hf_class):
+                if closing:  # a Hugging Face model's post_init(), at the end of its construction
+                    _hf_post_init(module, hf_class, hf_done)
+                    continue
                 reset = getattr(module, "reset_parameters", None)
                 if not callable(reset):
                     continue
@@ -205,6 +240,95 @@ def materialize(
     if not allow_uninitialized:
         _check_all_written(model, values, unwritten)
     return ran
+
+
+def _hf_model_class() -> type | None:
+    """transformers' ``PreTrainedModel`` where transformers is loaded (never imported here: a model built
+    from it has loaded it), else None."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+
+
+def _is_hf_model(module: nn.Module, hf_class: type | None) -> bool:
+    return hf_class is not None and isinstance(module, hf_class)
+
+
+def _construction_order(model: nn.Module, hf_class: type | None) -> Iterator[tuple[nn.Module, bool]]:
+    """``(module, False)`` for every module in ``model.modules()`` order (the order an eager build
+    constructs them), and ``(hf_model, True)`` after the last module of each Hugging Face model's subtree:
+    where its constructor ends in ``post_init()``, before the modules its parent builds next."""
+    seen: set[int] = set()
+
+    def walk(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
+        seen.add(id(module))
+        yield module, False
+        for child in module.children():
+            if id(child) not in seen:
+                yield from walk(child)
+        if _is_hf_model(module, hf_class):
+            yield module, True
+
+    return walk(model)
+
+
+def _hf_post_init(hf_model: nn.Module, hf_class: type, written: set[int]) -> None:
+    """The values ``hf_model.post_init()`` gives at the end of its eager construction, in the same random
+    draws: ``initialize_weights()``'s walk (``smart_apply``: children before their parent, a nested Hugging
+    Face model's modules by that model's ``_initialize_weights``), which initializes each module not yet
+    marked ``_is_hf_initialized`` (a nested model's ``post_init`` ran first and marked its own) and marks
+    it. A tensor an earlier module's ``_init_weights`` wrote (in ``written``) keeps those values: eager,
+    the tie (``lm_head.weight = embed_tokens.weight``) comes after the draws, and the head's is discarded.
+    CPU DTensors are initialized as full-size stand-ins (:func:`_reset_torch_module`)."""
+    guard = getattr(sys.modules.get("transformers.initialization"), "guard_torch_init_functions", None)
+    custom = hf_model.is_custom_code() if callable(getattr(hf_model, "is_custom_code", None)) else None
+
+    def walk(module: nn.Module, owner: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
+        for child in module.children():
+            yield from walk(child, child if _is_hf_model(child, hf_class) else owner)
+        yield module, owner
+
+    def initialize(module: nn.Module, owner: nn.Module) -> None:
+        if custom is None:  # transformers < 5: _initialize_weights(module)
+            owner._initialize_weights(module)
+        else:
+            owner._initialize_weights(module, custom)
+
+    with guard() if guard is not None else contextlib.nullcontext():
+        for module, owner in walk(hf_model, hf_model):
+            if getattr(module, "_is_hf_initialized", False):
+                continue
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            kept = [(t, _local(t).clone()) for t in tensors if id(t) in written]
+            stand_in = _torch_equivalent(module)
+            if stand_in is None:
+                _reset_torch_module(module, lambda m=module, o=owner: initialize(m, o))
+            else:  # a layer transform swapped in: the values _init_weights gives the layer it replaced
+                before = {name: full._version for name, full in stand_in.named_parameters()}
+                initialize(stand_in, owner)
+                module._is_hf_initialized = True
+                for name, full in stand_in.named_parameters():
+                    if full._version != before[name]:  # else it stays unwritten, and is named as such
+                        _keep_piece(getattr(module, name), full.detach())
+            for t, value in kept:
+                _local(t).copy_(value)
+            written.update(id(t) for t in tensors)
+
+
+def _torch_equivalent(module: nn.Module) -> nn.Module | None:
+    """For smptk's ColumnParallelLinear (one weight), RowParallelLinear and VocabParallelEmbedding: the
+    ``nn.Linear`` / ``nn.Embedding`` they stand for, full-size on the CPU, uninitialized (built on meta:
+    no draws), for a Hugging Face ``_init_weights`` that recognizes torch's classes; else None."""
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not getattr(module, "swiglu", False):
+        with torch.device("meta"):
+            torch_module = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    elif isinstance(module, VocabParallelEmbedding):
+        with torch.device("meta"):
+            torch_module = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx)
+    else:
+        return None
+    torch_module = torch_module.to_empty(device="cpu").to(module.weight.dtype)
+    for p in torch_module.parameters():
+        p.detach().fill_(float("nan"))  # a part _init_weights leaves shows up as materialize's own fill does
+    return torch_module
 
 
 _DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor whose __get__ is ``tensor.data``
@@ -364,8 +488,16 @@ def _reset_torch_module(module: nn.Module, reset) -> None:
     for name, p in sharded.items():
         if stand_ins[name]._version == before[name]:
             continue  # the reset did not write it (a parameter a subclass adds): it stays unwritten
-        piece = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
-        p.to_local().copy_(piece.to_local())
+        _keep_piece(p, stand_ins[name].detach())
+
+
+def _keep_piece(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Write into ``p`` (a DTensor: this rank's piece, ``distribute_tensor`` without communication) the
+    values of the full-size ``full``."""
+    if isinstance(p, DTensor):
+        full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p = p.to_local()
+    p.copy_(full)
 
 
 __all__ = ["materialize", "refill_rotary"]

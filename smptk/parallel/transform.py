@@ -732,14 +732,14 @@ def load_hf_state_dict(model: nn.Module, hf_state: Mapping[str, torch.Tensor] | 
     """Load a Hugging Face state dict into a transformed model, each rank keeping its shards (collective).
 
     For models too large to load whole on every rank: build the Hugging Face model under
-    ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it (with
-    ``allow_uninitialized=True``: a Hugging Face model's norms have no ``reset_parameters``), then call this
-    with the checkpoint's state dict on rank 0 (``safetensors.torch.load_file``...) and None elsewhere.
-    Rank 0's dict is checked against the model in the Hugging Face names (every tensor there, none more, the
-    global shapes; dtypes are cast to the model's); names ``from_pretrained`` ignores for the model (e.g. the
-    per-layer ``rotary_emb.inv_freq`` of old Llama checkpoints) are skipped, as it skips them. Then the sparse
-    blocks ``transform`` swapped are put in smptk's layout (:func:`smptk_layout`; an untransformed model's
-    names stay as they are) and the tensors broadcast one at a time
+    ``torch.device("meta")``, :func:`transform` it, :func:`~smptk.parallel.materialize` it
+    (``allow_uninitialized=True`` skips the check that every tensor got a value: the load gives them), then
+    call this with the checkpoint's state dict on rank 0 (``safetensors.torch.load_file``...) and None
+    elsewhere. Rank 0's dict is checked against the model in the Hugging Face names (every tensor there, none
+    more, the global shapes; dtypes are cast to the model's); names ``from_pretrained`` ignores for the model
+    (e.g. the per-layer ``rotary_emb.inv_freq`` of old Llama checkpoints) are skipped, as it skips them. Then
+    the sparse blocks ``transform`` swapped are put in smptk's layout (:func:`smptk_layout`; an untransformed
+    model's names stay as they are) and the tensors broadcast one at a time
     (:func:`smptk.parallel.load_full_state_dict`). Whatever rank 0 finds wrong, every rank raises; nothing is
     loaded then. ``model`` may be the DDP wrapper; without a process group (one process) the checked dict is
     loaded with ``model.load_state_dict``. The rotary tables, buffers no checkpoint holds and ``materialize``
