@@ -447,6 +447,20 @@ def test_materialize_refills_the_rotary_tables_of_a_meta_built_model(one_rank) -
     assert got and all(torch.equal(b, want[n]) for n, b in got.items()), got
 
 
+@pytest.mark.skipif(not STACKED_EXPERTS, reason=OLD_LAYOUT)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_materialize_gives_a_transformed_moe_the_eager_values(one_rank, kind: str) -> None:
+    """Built on meta, transformed and materialized for training from scratch: the MoE that replaced each
+    sparse block kept its own reset (router std 0.02, experts uniform: std 0.10 at this size, where Hugging
+    Face's _init_weights draws std 0.02), and its draws shifted every later tensor's; now the whole model,
+    MoE blocks included, equals the eager build from the same seed."""
+    sizes = {"num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    sizes["num_local_experts" if kind == "mixtral" else "num_experts"] = 4
+    problems: list[str] = []
+    jobs._meta_fresh(problems, kind, {}, **sizes)
+    assert not problems, "\n".join(problems)
+
+
 def test_frozen_moe_weights_stay_frozen(one_rank) -> None:
     """A Mixtral whose first layer's experts and router are frozen (requires_grad False): the swapped-in
     MoE's weights came back trainable (they trained and counted in the gradient norm); now each keeps its

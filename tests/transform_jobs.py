@@ -26,9 +26,11 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   state dict has no ``lm_head.weight``): the big-model flow: built under ``torch.device("meta")``,
   transformed, materialized, then ``load_hf_state_dict`` with rank 0's Hugging Face state dict (the
   rotary tables recomputed): every parameter, the logits and the loss equal the Hugging Face model's.
-- ``meta_fresh_tp2_tied_llama`` (tied, padded embedding, MLP biases), ``meta_fresh_dp2_qwen2``: training
-  from scratch: built on meta, transformed, materialized with no checkpoint; every parameter and buffer
-  equals the eager unsharded build's from the same seed (Hugging Face's ``_init_weights`` replayed).
+- ``meta_fresh_tp2_tied_llama`` (tied, padded embedding, MLP biases), ``meta_fresh_dp2_qwen2``,
+  ``meta_fresh_ep2_mixtral`` and (4 ranks) ``meta_fresh_tp2_ep2_qwen3_moe``: training from scratch: built
+  on meta, transformed, materialized with no checkpoint; every parameter and buffer equals the eager
+  unsharded build's from the same seed (Hugging Face's ``_init_weights`` replayed, on the MoE through the
+  block it replaces).
 - ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
   None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
 - ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
@@ -297,7 +299,8 @@ def _meta_fresh(problems: list[str], kind: str, config: dict, **overrides) -> No
     sp.materialize(module, state)
     torch.manual_seed(5)
     want = transformers.AutoModelForCausalLM.from_config(cfg)
-    got = dict((*meta.named_parameters(remove_duplicate=False), *meta.named_buffers(remove_duplicate=False)))
+    # gathered whole in the Hugging Face names (the MoE blocks' too), and the buffers no state dict holds
+    got = {**dict(meta.named_buffers(remove_duplicate=False)), **sp.hf_state_dict(module, rank0_only=False)}
     for name, t in (
         *want.named_parameters(remove_duplicate=False),
         *want.named_buffers(remove_duplicate=False),
@@ -496,7 +499,8 @@ def _frozen_norms(problems: list[str]) -> None:
 
 
 MOE_KINDS = ("mixtral", "qwen3_moe")
-MOE_CASES = ("tp2_mixtral", "tp2_sp_mixtral", "ep2_mixtral", "meta_ep2_mixtral", "bad_hf_state")
+MOE_CASES = ("tp2_mixtral", "tp2_sp_mixtral", "ep2_mixtral", "meta_ep2_mixtral", "meta_fresh_ep2_mixtral")
+MOE_CASES += ("bad_hf_state",)
 AUX_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 CASES = {
     "tp2_llama": lambda p: _train(
@@ -536,6 +540,10 @@ CASES = {
         p, "llama", {"tensor_parallel_degree": 2}, tie_word_embeddings=True, pad_token_id=3, mlp_bias=True
     ),
     "meta_fresh_dp2_qwen2": lambda p: _meta_fresh(p, "qwen2", {"hybrid_shard_degree": 0}),
+    # the swapped-in MoE takes the values _init_weights gives the Hugging Face block it replaces
+    "meta_fresh_ep2_mixtral": lambda p: _meta_fresh(
+        p, "mixtral", {"expert_parallel_degree": 2}, num_local_experts=4, num_experts_per_tok=2
+    ),
     # tied embeddings: the vocab-parallel embedding and the column-parallel head hold one DTensor
     "tp2_tied_qwen3": lambda p: _train(
         p, "qwen3", {"tensor_parallel_degree": 2}, same_batch=True, tie_word_embeddings=True
@@ -575,8 +583,16 @@ CASES_4 = {
     "hsdp2x2_ep2_mixtral": lambda p: _train(
         p, "mixtral", {"expert_parallel_degree": 2, "hybrid_shard_degree": 2}
     ),
+    "meta_fresh_tp2_ep2_qwen3_moe": lambda p: _meta_fresh(
+        p,
+        "qwen3_moe",
+        {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+    ),
 }
-MOE_CASES_4 = ("tp2_ep2_mixtral", "ep2_dp4_mixtral", "hsdp2x2_ep2_mixtral")
+MOE_CASES_4 = ("tp2_ep2_mixtral", "ep2_dp4_mixtral", "hsdp2x2_ep2_mixtral", "meta_fresh_tp2_ep2_qwen3_moe")
 
 
 def run(rank: int, world: int, only: tuple[str, ...] | None = None) -> dict[str, str | None]:

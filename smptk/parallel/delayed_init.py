@@ -44,11 +44,13 @@ its subtree, before the modules its parent builds next. So its modules need no `
 norms), and one its ``_init_weights`` leaves unwritten is named as above. smptk's layers that
 :func:`~smptk.parallel.transform` swapped in (ColumnParallelLinear, RowParallelLinear,
 VocabParallelEmbedding) take the values ``_init_weights`` gives the ``nn.Linear`` / ``nn.Embedding`` they
-replace, drawn full-size on the CPU (each rank keeps its piece), so a transformed model equals the eager
-model too (checked at tp 2 with a tied, padded embedding and biases). Not replayed: an init a module's
-``__init__`` draws with no ``reset_parameters`` (GPT-2's ``Conv1D``: the later draws then differ, their
-distributions do not), and transform's MoE, which keeps its own ``reset_parameters``' values (torch's
-defaults), not ``_init_weights``'.
+replace, and each :class:`~smptk.parallel.MoE` it swapped in the values the Hugging Face sparse block it
+replaces gets (router and experts ``normal(0, initializer_range)``; transform keeps the meta-built block
+for this), drawn full-size on the CPU (each rank keeps its piece; one layer at a time, so the host needs
+room for the largest one: a Mixtral-8x7B block is 1.4 G values), so a transformed model equals the eager
+model too (checked at tp 2 with a tied, padded embedding and biases, at ep 2 and at tp 2 x ep 2). Not
+replayed: an init a module's ``__init__`` draws with no ``reset_parameters`` (GPT-2's ``Conv1D``: the
+later draws then differ, their distributions do not).
 
 Order: the resets run in ``model.modules()`` order (a parent before its children), so the values are the
 eager build's when the model builds its submodules in the order it registers them and initializes them
@@ -107,6 +109,9 @@ from smptk.parallel.config import ParallelState, state_or_current
 from smptk.parallel.shard_init import local as _local
 from smptk.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
+# where transform keeps, outside the module tree, the meta-built Hugging Face sparse block a MoE replaces
+HF_BLOCK = "_hf_block"
+
 
 def _device(state: ParallelState) -> torch.device:
     if state.device_type == "cuda":
@@ -159,6 +164,7 @@ def materialize(
         )
     hf_class = _hf_model_class()
     hf_built = {id(m) for pm in model.modules() if _is_hf_model(pm, hf_class) for m in pm.modules()}
+    blocks = [b for m in model.modules() if (b := _hf_block(m, hf_built)) is not None]
     silent = [
         name or type(m).__name__
         for name, m in model.named_modules()
@@ -201,15 +207,17 @@ def materialize(
     ran = 0
     done: set[int] = set()  # tensors a reset has given values (a shared one keeps its first owner's)
     hf_done: set[int] = set()  # tensors a Hugging Face model's _init_weights has given values
-    for m in model.modules():
-        if id(m) in hf_built:
-            m.__dict__.pop("_is_hf_initialized", None)  # no values yet: every module is initialized
+    for m in (*(m for m in model.modules() if id(m) in hf_built), *(m for b in blocks for m in b.modules())):
+        m.__dict__.pop("_is_hf_initialized", None)  # no values yet: every module is initialized
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(state.seed_for())
         with torch.no_grad(), _DataWritesCount(unwritten):
-            for module, closing in _construction_order(model, hf_class):
-                if closing:  # a Hugging Face model's post_init(), at the end of its construction
-                    _hf_post_init(module, hf_class, hf_done)
+            for module, step in _construction_order(model, hf_class, hf_built):
+                if step == "post_init":  # a Hugging Face model's post_init(), at the end of its construction
+                    _hf_post_init(module, hf_class, hf_done, hf_built)
+                    continue
+                if step == "hf_block":  # a MoE transform swapped in: the resets its block's constructor ran
+                    ran += _reset_hf_block(_hf_block(module, hf_built))
                     continue
                 reset = getattr(module, "reset_parameters", None)
                 if not callable(reset):
@@ -252,38 +260,100 @@ def _is_hf_model(module: nn.Module, hf_class: type | None) -> bool:
     return hf_class is not None and isinstance(module, hf_class)
 
 
-def _construction_order(model: nn.Module, hf_class: type | None) -> Iterator[tuple[nn.Module, bool]]:
-    """``(module, False)`` for every module in ``model.modules()`` order (the order an eager build
-    constructs them), and ``(hf_model, True)`` after the last module of each Hugging Face model's subtree:
-    where its constructor ends in ``post_init()``, before the modules its parent builds next."""
+def _hf_block(module: nn.Module, hf_built: set[int]) -> nn.Module | None:
+    """The meta-built Hugging Face sparse block a MoE inside a Hugging Face model replaces (kept by
+    :func:`~smptk.parallel.transform` when the model was built on meta), else None."""
+    return module.__dict__.get(HF_BLOCK) if id(module) in hf_built else None
+
+
+def _construction_order(
+    model: nn.Module, hf_class: type | None, hf_built: set[int]
+) -> Iterator[tuple[nn.Module, str]]:
+    """``(module, "reset")`` for every module in ``model.modules()`` order (the order an eager build
+    constructs them), and ``(hf_model, "post_init")`` after the last module of each Hugging Face model's
+    subtree: where its constructor ends in ``post_init()``, before the modules its parent builds next. A
+    MoE that replaces a Hugging Face block gives ``(moe, "hf_block")`` instead of its subtree: eager, the
+    block was built there."""
     seen: set[int] = set()
 
-    def walk(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
+    def walk(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
         seen.add(id(module))
-        yield module, False
+        if _hf_block(module, hf_built) is not None:
+            yield module, "hf_block"
+            return
+        yield module, "reset"
         for child in module.children():
             if id(child) not in seen:
                 yield from walk(child)
         if _is_hf_model(module, hf_class):
-            yield module, True
+            yield module, "post_init"
 
     return walk(model)
 
 
-def _hf_post_init(hf_model: nn.Module, hf_class: type, written: set[int]) -> None:
+def _reset_hf_block(block: nn.Module) -> int:
+    """Run the resets an eager build of ``block`` (meta) ran in its constructor, on a full-size CPU copy
+    held until its model's ``post_init``; a block without any (Mixtral's, Qwen3-MoE's: their constructors
+    draw nothing) stays on meta until then, so one block at a time is allocated. Returns how many ran."""
+    resets = [r for m in block.modules() if callable(r := getattr(m, "reset_parameters", None))]
+    if resets:
+        _allocate(block)
+        for reset in resets:
+            reset()
+    return len(resets)
+
+
+def _allocate(block: nn.Module) -> None:
+    """Give a meta-built ``block`` CPU memory, its floating tensors NaN (what nothing writes shows up)."""
+    if any(t.is_meta for t in (*block.parameters(), *block.buffers())):
+        block.to_empty(device="cpu")
+        for t in (*block.parameters(), *block.buffers()):
+            if t.is_floating_point():
+                t.detach().fill_(float("nan"))
+
+
+def _take_block_values(moe: nn.Module, block: nn.Module, written: set[int]) -> None:
+    """Write into ``moe`` (each rank its piece) the values ``block``, the Hugging Face block it replaces,
+    holds, in smptk's layout (:func:`~smptk.parallel.smptk_layout`); what the block has no counterpart for
+    (the load counts) takes ``moe.reset_parameters()``'s values, its draws discarded, as eager has none
+    there. ``block`` goes back to meta."""
+    from smptk.parallel.transform import smptk_layout  # transform imports this module
+
+    cuda = {_local(t).device for t in (*moe.parameters(), *moe.buffers()) if _local(t).is_cuda}
+    with torch.random.fork_rng(devices=[d.index for d in cuda]):
+        _reset_torch_module(moe, moe.reset_parameters)
+    values = smptk_layout({f"b.{n}": t for n, t in (*block.named_parameters(), *block.named_buffers())})
+    for name, value in values.items():
+        target = moe.get_parameter(name[2:])
+        _keep_piece(target, value.detach())
+        written.add(id(target))
+    for m in moe.modules():
+        m._is_hf_initialized = True
+    # the walk recorded the block's tensors as written: freed now, their ids may come back as another's
+    written.difference_update(id(t) for t in (*block.parameters(), *block.buffers()))
+    block.to_empty(device="meta")
+
+
+def _hf_post_init(hf_model: nn.Module, hf_class: type, written: set[int], hf_built: set[int]) -> None:
     """The values ``hf_model.post_init()`` gives at the end of its eager construction, in the same random
     draws: ``initialize_weights()``'s walk (``smart_apply``: children before their parent, a nested Hugging
     Face model's modules by that model's ``_initialize_weights``), which initializes each module not yet
     marked ``_is_hf_initialized`` (a nested model's ``post_init`` ran first and marked its own) and marks
     it. A tensor an earlier module's ``_init_weights`` wrote (in ``written``) keeps those values: eager,
     the tie (``lm_head.weight = embed_tokens.weight``) comes after the draws, and the head's is discarded.
-    CPU DTensors are initialized as full-size stand-ins (:func:`_reset_torch_module`)."""
+    CPU DTensors are initialized as full-size stand-ins (:func:`_reset_torch_module`); a MoE that replaces a
+    Hugging Face block takes the values the walk gives that block (full-size on the CPU)."""
     guard = getattr(sys.modules.get("transformers.initialization"), "guard_torch_init_functions", None)
     custom = hf_model.is_custom_code() if callable(getattr(hf_model, "is_custom_code", None)) else None
 
     def walk(module: nn.Module, owner: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
-        for child in module.children():
-            yield from walk(child, child if _is_hf_model(child, hf_class) else owner)
+        block = _hf_block(module, hf_built)
+        if block is not None:  # the block's modules, then the MoE takes the block's values
+            _allocate(block)
+            yield from walk(block, owner)
+        else:
+            for child in module.children():
+                yield from walk(child, child if _is_hf_model(child, hf_class) else owner)
         yield module, owner
 
     def initialize(module: nn.Module, owner: nn.Module) -> None:
@@ -295,6 +365,10 @@ def _hf_post_init(hf_model: nn.Module, hf_class: type, written: set[int]) -> Non
     with guard() if guard is not None else contextlib.nullcontext():
         for module, owner in walk(hf_model, hf_model):
             if getattr(module, "_is_hf_initialized", False):
+                continue
+            block = _hf_block(module, hf_built)
+            if block is not None:
+                _take_block_values(module, block, written)
                 continue
             tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             kept = [(t, _local(t).clone()) for t in tensors if id(t) in written]

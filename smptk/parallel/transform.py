@@ -87,7 +87,7 @@ import torch
 from torch import nn
 
 from smptk.parallel.config import ParallelState, current, init
-from smptk.parallel.delayed_init import refill_rotary
+from smptk.parallel.delayed_init import HF_BLOCK, refill_rotary
 from smptk.parallel.moe import MoE
 from smptk.parallel.tensor_parallel import _GatherSequence
 
@@ -250,6 +250,8 @@ def _swap_moe(block: nn.Module, cfg: Any, tp_mesh: Any = None) -> MoE:
     moe.experts.w_gate.requires_grad_(gate_up.requires_grad)
     moe.experts.w_up.requires_grad_(gate_up.requires_grad)
     moe.experts.w_down.requires_grad_(down.requires_grad)
+    if gate_up.is_meta:  # a meta-built model: materialize gives the MoE what _init_weights gives the block
+        moe.__dict__[HF_BLOCK] = block  # outside the module tree: no parameters, no state dict entries
     return moe
 
 
