@@ -34,23 +34,26 @@ follows.
 
 Hugging Face models (a ``transformers`` ``PreTrainedModel`` anywhere in ``model``, detected without
 importing transformers): the values are the eager build's, equal to it bit for bit, as for training from
-scratch. An eager build draws torch's default init in each module's constructor, then, where each Hugging
-Face model's constructor ends, its ``post_init()`` draws again: ``_init_weights`` on every module of its
-subtree, children before parents (``normal(0, initializer_range)`` for Linear and Embedding, zero biases,
-ones for norm weights, the padding row zeroed), skipping what a nested model's ``post_init`` marked
-``_is_hf_initialized``, and only then ties the head to the embedding. :func:`materialize` replays that: the
-resets in ``model.modules()`` order, and each model's ``_initialize_weights`` walk after the last module of
-its subtree, before the modules its parent builds next. So its modules need no ``reset_parameters`` (the
-norms), and one its ``_init_weights`` leaves unwritten is named as above. smptk's layers that
-:func:`~smptk.parallel.transform` swapped in (ColumnParallelLinear, RowParallelLinear,
-VocabParallelEmbedding) take the values ``_init_weights`` gives the ``nn.Linear`` / ``nn.Embedding`` they
-replace, and each :class:`~smptk.parallel.MoE` it swapped in the values the Hugging Face sparse block it
-replaces gets (router and experts ``normal(0, initializer_range)``; transform keeps the meta-built block
-for this), drawn full-size on the CPU (each rank keeps its piece; one layer at a time, so the host needs
-room for the largest one: a Mixtral-8x7B block is 1.4 G values), so a transformed model equals the eager
-model too (checked at tp 2 with a tied, padded embedding and biases, at ep 2 and at tp 2 x ep 2). Not
-replayed: an init a module's ``__init__`` draws with no ``reset_parameters`` (GPT-2's ``Conv1D``: the
-later draws then differ, their distributions do not).
+scratch (materialized on the CPU; on CUDA the modules initialized in place draw from the CUDA generator, as an
+eager build on CUDA does, while smptk's layers and the MoE blocks draw on the CPU: the same distributions,
+other values).
+
+An eager build draws torch's default init in each module's constructor, then, where each Hugging Face model's
+constructor ends, its ``post_init()`` draws again: ``_init_weights`` on every module of its subtree, children
+before parents (``normal(0, initializer_range)`` for Linear and Embedding, zero biases, ones for norm weights,
+the padding row zeroed), skipping what a nested model's ``post_init`` marked ``_is_hf_initialized``, and only
+then ties the head to the embedding. :func:`materialize` replays that: the resets in ``model.modules()``
+order, and each model's ``_initialize_weights`` walk after the last module of its subtree, before the modules
+its parent builds next. So its modules need no ``reset_parameters`` (the norms), and one its ``_init_weights``
+leaves unwritten is named as above. smptk's layers that :func:`~smptk.parallel.transform` swapped in
+(ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) take the values ``_init_weights`` gives the
+``nn.Linear`` / ``nn.Embedding`` they replace, and each :class:`~smptk.parallel.MoE` it swapped in the values
+the Hugging Face sparse block it replaces gets (router and experts ``normal(0, initializer_range)``; transform
+keeps the meta-built block for this), drawn full-size on the CPU (each rank keeps its piece; one layer at a
+time, so the host needs room for the largest one: a Mixtral-8x7B block is 1.4 G values), so a transformed
+model equals the eager model too (checked at tp 2 with a tied, padded embedding and biases, at ep 2 and at tp
+2 x ep 2). Not replayed: an init a module's ``__init__`` draws with no ``reset_parameters`` (GPT-2's
+``Conv1D``: the later draws then differ, their distributions do not).
 
 Order: the resets run in ``model.modules()`` order (a parent before its children), so the values are the
 eager build's when the model builds its submodules in the order it registers them and initializes them
