@@ -31,6 +31,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   on meta, transformed, materialized with no checkpoint; every parameter and buffer equals the eager
   unsharded build's from the same seed (Hugging Face's ``_init_weights`` replayed, on the MoE through the
   block it replaces).
+- ``dcp_ep2_to_tp2_mixtral``, ``dcp_tp2_to_ep2_mixtral``: a transformed model and its AdamW state after a
+  step, saved with ``save_checkpoint`` under one config and loaded with ``load_checkpoint`` into the model
+  (other weights) transformed under the other: model and optimizer states equal the saved ones exactly.
 - ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
   None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
 - ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
@@ -283,6 +286,52 @@ def _meta_load(problems: list[str], kind: str, config: dict, **overrides) -> Non
         _close(problems, f"{name} after load", got[name], p)
 
 
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    """A nested state dict as ``{"a.b.c": leaf}``."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+
+
+def _dcp_reshard(problems: list[str], kind: str, saved_under: dict, loaded_under: dict) -> None:
+    """A transformed model and its AdamW state after one step, saved with ``save_checkpoint`` under one
+    config and loaded with ``load_checkpoint`` into the same model built (other weights) and transformed
+    under another: the full model and optimizer states equal the saved ones exactly, and the step."""
+    import shutil
+    import tempfile
+
+    import smptk.parallel as sp
+
+    where = [tempfile.mkdtemp(prefix="smptk-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    path = os.path.join(where[0], "ckpt")
+    module, _ = sp.transform(build(kind), {"mixed_precision": "fp32", **saved_under})
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    ids = _batch(dist.get_rank(), 0)
+    module(ids, labels=ids).loss.backward()
+    opt.step()
+    want = _flat(sp.get_full_state_dict(module, opt, rank0_only=False))
+    sp.save_checkpoint(path, module, opt, step=7)
+    other = build(kind)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    module, _ = sp.transform(other, {"mixed_precision": "fp32", **loaded_under})
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    step = sp.load_checkpoint(path, module, opt)
+    got = _flat(sp.get_full_state_dict(module, opt, rank0_only=False))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0])
+    if step != 7:
+        problems.append(f"step {step}, saved 7")
+    if got.keys() != want.keys():
+        problems.append(f"keys differ: {sorted(got.keys() ^ want.keys())[:4]}")
+    differ = [k for k, v in want.items() if torch.is_tensor(v) and k in got and not torch.equal(v, got[k])]
+    if differ:
+        problems.append(f"{saved_under} -> {loaded_under}: {differ[:4]} differ")
+
+
 def _meta_fresh(problems: list[str], kind: str, config: dict, **overrides) -> None:
     """Training from scratch: built on meta, transformed, materialized with no checkpoint to load. Every
     parameter and buffer, gathered whole, equals the eager unsharded build from the same seed (the
@@ -500,7 +549,7 @@ def _frozen_norms(problems: list[str]) -> None:
 
 MOE_KINDS = ("mixtral", "qwen3_moe")
 MOE_CASES = ("tp2_mixtral", "tp2_sp_mixtral", "ep2_mixtral", "meta_ep2_mixtral", "meta_fresh_ep2_mixtral")
-MOE_CASES += ("bad_hf_state",)
+MOE_CASES += ("dcp_ep2_to_tp2_mixtral", "dcp_tp2_to_ep2_mixtral", "bad_hf_state")
 AUX_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 CASES = {
     "tp2_llama": lambda p: _train(
@@ -561,6 +610,13 @@ CASES = {
     # with Hugging Face's load-balancing loss: moe_aux_loss on each rank's tokens, as the stock model's
     "ep2_mixtral": lambda p: _train(
         p, "mixtral", {"expert_parallel_degree": 2}, same_batch=False, **AUX_LOSS
+    ),
+    # checkpoints of a transformed model reshard: the experts from ep 2 to whole under tp 2, and back
+    "dcp_ep2_to_tp2_mixtral": lambda p: _dcp_reshard(
+        p, "mixtral", {"expert_parallel_degree": 2}, {"tensor_parallel_degree": 2}
+    ),
+    "dcp_tp2_to_ep2_mixtral": lambda p: _dcp_reshard(
+        p, "mixtral", {"tensor_parallel_degree": 2}, {"expert_parallel_degree": 2}
     ),
     "bad_input": _bad_input,
     "frozen_norms": _frozen_norms,
