@@ -6,13 +6,20 @@ blocks for smptk's MoE, applies tensor parallelism (``--tp``), expert parallelis
 checkpointing and FSDP2 as the config says, and the model trains with its own loss (``labels=``) plus,
 for MoE, smptk's load-balancing loss (``moe_aux_loss``); ``--save`` writes the trained model back in the
 Hugging Face format (``hf_state_dict`` + ``save_pretrained``). Every rank builds the same weights; the tensor-
-and expert-parallel shards are cut from rank 0's. Each data-parallel rank trains on its own rows, and the
-loss printed at each step is the mean over the data-parallel ranks (its own at dp 1).
+and expert-parallel shards are cut from rank 0's. With ``--meta`` (delayed initialization, for a model too
+large to build whole on each rank) the model is built on the meta device, transformed there, and
+``materialize`` gives each rank only its shards, with the values the eager build has (Hugging Face's
+``_init_weights`` replayed, on the swapped-in layers and MoE blocks too), so on a CPU the losses are the
+same (on GPUs the layers initialized in place draw from the CUDA generator: other values, the same
+distributions).
+Each data-parallel rank trains on its own rows, and the loss printed at each step is the mean over the
+data-parallel ranks (its own at dp 1).
 
 Run (CPU: gloo and PyTorch kernels; GPUs: NCCL, bf16 parameters with fp32 reduction)::
 
     torchrun --standalone --nproc-per-node 2 examples/transform_hf.py --tp 2
     torchrun --standalone --nproc-per-node 2 examples/transform_hf.py --model mixtral --ep 2 --save out
+    torchrun --standalone --nproc-per-node 2 examples/transform_hf.py --model mixtral --ep 2 --meta
     torchrun --standalone --nproc-per-node 4 examples/transform_hf.py --model mixtral --tp 2 --ep 2
 
 Needs transformers >= 5 (``pip install transformers``).
@@ -65,6 +72,10 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert_parallel_degree")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save", metavar="DIR", help="save the trained model in the Hugging Face format")
+    parser.add_argument(
+        "--meta", action="store_true",
+        help="build on the meta device and materialize after transform (each rank allocates its shards only)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -77,9 +88,15 @@ def main() -> None:
         "expert_parallel_degree": args.ep,
         "activation_checkpointing": "full",
         "mixed_precision": "bf16" if cuda else "fp32",
+        "random_seed": 0,  # materialize's draws: build()'s seed
     }
-    model = build(args.model).to(device)
-    model, report = sp.transform(model, config)
+    if args.meta:
+        with torch.device("meta"):
+            model = build(args.model)
+        model, report = sp.transform(model, config)
+        sp.materialize(model)  # on the state's device: the eager build's values, this rank's shards
+    else:
+        model, report = sp.transform(build(args.model).to(device), config)
     rank = dist.get_rank()
     if rank == 0:
         print(f"{report.architecture}: sizes {report.sizes}; MoE layers {len(report.moe_layers)}, "

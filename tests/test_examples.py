@@ -303,3 +303,11 @@ def test_transform_hf_trains_mixtral_with_expert_parallelism(tmp_path):
     assert losses[0][1] == pytest.approx(sum(each) / 2, abs=tol), (losses[0], each)
     back = hf.MixtralForCausalLM.from_pretrained(tmp_path)
     assert back.config.num_local_experts == 4 and back.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    # --meta: built on meta, transformed, materialized: on a CPU the eager build's values, so the same losses
+    proc = _torchrun(2, "--model", "mixtral", "--ep", "2", "--steps", "6", "--meta", script=script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    meta = _losses(proc.stdout)
+    if torch.cuda.is_available():  # other draws (the CUDA generator): it trains
+        assert len(meta) == 6 and meta[-1][1] < meta[0][1], proc.stdout
+    else:
+        assert meta == losses, (proc.stdout, losses)
