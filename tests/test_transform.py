@@ -6,12 +6,12 @@ weights mapped back to the Hugging Face layout); the MoE swap keeps the router's
 ``output_router_logits`` moves the load-balancing coefficient to smptk's MoE (:func:`moe_aux_loss`); a
 MoE block in another layout is refused with the installed version in the message.
 
-Multi-rank: one 2-rank and one 4-rank gloo job (``transform_jobs.py``, where each case is described):
-tensor parallelism on Llama, Qwen2 (biases), Qwen3 (per-head norms) and Mixtral, sequence parallelism on
-Llama and Qwen3, tied embeddings (TP 2, with sequence parallelism, TP 2 x FSDP 2, the meta-device load),
-full sharding, expert parallelism, and on 4 ranks TP 2 x FSDP 2 with sequence
-parallelism and TP 2 x EP 2, two training steps each against the Hugging Face model in one process; and
-every bad input with its message.
+Multi-rank: one 2-rank and one 4-rank gloo job (``transform_jobs.py``, where each case is described): tensor
+parallelism on Llama, Qwen2 (biases), Qwen3 (per-head norms), Gemma 1 / 2 / 3 (scaled embedding, extra norms)
+and Mixtral, sequence parallelism on Llama, Qwen3 and Gemma 2 / 3, tied embeddings (TP 2, with sequence
+parallelism, TP 2 x FSDP 2, the meta-device load), full sharding, expert parallelism, and on 4 ranks TP 2 x
+FSDP 2 with sequence parallelism and TP 2 x EP 2, two training steps each against the Hugging Face model in
+one process; and every bad input with its message.
 
 Needs transformers (the ``planner-tests`` extra); the MoE architectures need the stacked-experts layout of
 transformers >= 5.
@@ -43,7 +43,7 @@ from smptk.kernels import runtime  # noqa: E402
 
 STACKED_EXPERTS = int(transformers.__version__.split(".")[0]) >= 5
 OLD_LAYOUT = f"transformers {transformers.__version__} keeps MoE experts as modules; transform needs >= 5"
-ALL = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+ALL = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"]
 
 
 def _build(kind: str, **overrides) -> nn.Module:
@@ -384,7 +384,8 @@ def test_refused_moe_leaves_the_model_as_it_was(one_rank, overrides: dict, messa
 
 def test_unsupported_architecture_lists_the_supported(one_rank) -> None:
     with pytest.raises(
-        NotImplementedError, match="supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"
+        NotImplementedError,
+        match="supported: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, mixtral, qwen3_moe",
     ):
         sp.transform(nn.Linear(2, 2), {"mixed_precision": "fp32"})
 

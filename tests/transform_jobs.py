@@ -34,6 +34,10 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``dcp_ep2_to_tp2_mixtral``, ``dcp_tp2_to_ep2_mixtral``: a transformed model and its AdamW state after a
   step, saved with ``save_checkpoint`` under one config and loaded with ``load_checkpoint`` into the model
   (other weights) transformed under the other: model and optimizer states equal the saved ones exactly.
+- ``tp2_tied_gemma``, ``tp2_sp_tied_gemma2``, ``tp2_sp_gemma3``, ``meta_tp2_gemma2``,
+  ``meta_fresh_tp2_tied_gemma3``: Gemma 1 / 2 / 3, whose embedding scales its rows by sqrt(hidden) (the
+  scale applied around the vocab-parallel layer) and whose layers 2 / 3 norm the attention's and the MLP's
+  outputs too (every norm sequence-parallel): training, the meta-device load and training from scratch.
 - ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
   None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
 - ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
@@ -102,6 +106,9 @@ def build(kind: str, **overrides):
             **opts, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False
         )
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind in ("gemma", "gemma2", "gemma3_text"):  # head_dim 8, not the configs' 256
+        cfg = transformers.AutoConfig.for_model(kind, **{"head_dim": 8, **opts})
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():  # HF initializes biases and routers to zero / tiny values: make them matter
@@ -354,6 +361,8 @@ def _meta_fresh(problems: list[str], kind: str, config: dict, **overrides) -> No
         *want.named_parameters(remove_duplicate=False),
         *want.named_buffers(remove_duplicate=False),
     ):
+        if name.endswith("embed_tokens.embed_scale") and name not in got:
+            continue  # Gemma's scale: transform applies it around the vocab-parallel embedding
         whole = got[name].full_tensor() if hasattr(got[name], "full_tensor") else got[name]
         if not torch.equal(whole, t):
             problems.append(f"{name}: differs from the eager build's by {(whole - t).abs().max().item():.3g}")
@@ -617,6 +626,21 @@ CASES = {
     ),
     "dcp_tp2_to_ep2_mixtral": lambda p: _dcp_reshard(
         p, "mixtral", {"tensor_parallel_degree": 2}, {"expert_parallel_degree": 2}
+    ),
+    # Gemma: the scaled embedding (its scale applied around the vocab-parallel layer), the norms around the
+    # attention's and the MLP's outputs (Gemma 2 / 3) under sequence parallelism, per-head q / k norms (3)
+    "tp2_tied_gemma": lambda p: _train(
+        p, "gemma", {"tensor_parallel_degree": 2}, same_batch=True, tie_word_embeddings=True
+    ),
+    "tp2_sp_tied_gemma2": lambda p: _train(
+        p, "gemma2", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True, tie_word_embeddings=True
+    ),
+    "tp2_sp_gemma3": lambda p: _train(
+        p, "gemma3_text", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True
+    ),
+    "meta_tp2_gemma2": lambda p: _meta_load(p, "gemma2", {"tensor_parallel_degree": 2}),
+    "meta_fresh_tp2_tied_gemma3": lambda p: _meta_fresh(
+        p, "gemma3_text", {"tensor_parallel_degree": 2}, tie_word_embeddings=True, head_dim=8, pad_token_id=3
     ),
     "bad_input": _bad_input,
     "frozen_norms": _frozen_norms,

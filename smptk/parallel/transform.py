@@ -1,10 +1,15 @@
 """``transform``: a stock Hugging Face causal LM made tensor-, expert- and sharded-data-parallel in place.
 
-Supported architectures (``model.config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
-(dense) and ``mixtral``, ``qwen3_moe`` (sparse MoE blocks with stacked experts, the layout of transformers
-5). The model is recognized by structure, as these architectures share it: ``model.model.embed_tokens``,
-``model.model.layers[i].self_attn.{q,k,v,o}_proj``, ``layers[i].mlp`` either dense
-(``{gate,up,down}_proj``) or a sparse block (``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2F, H]``,
+Supported architectures (``model.config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``gemma``, ``gemma2``, ``gemma3_text`` (dense) and ``mixtral``, ``qwen3_moe`` (sparse MoE blocks with
+stacked experts, the layout of transformers 5). Gemma's embedding, which scales its rows by
+``sqrt(hidden_size)`` in its own forward, becomes a plain vocab-parallel embedding with that scale (rounded
+to the output's dtype, as Gemma rounds it to the weight's) applied to its output; Gemma 2 / 3's norms
+around the attention's and the MLP's outputs are sequence-parallel like the others.
+
+The model is recognized by structure, as these architectures share it: ``model.model.embed_tokens``,
+``model.model.layers[i].self_attn.{q,k,v,o}_proj``, ``layers[i].mlp`` either dense (``{gate,up,down}_proj``)
+or a sparse block (``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2F, H]``,
 ``experts.down_proj [E, H, F]``), and ``model.lm_head``. A base model (``LlamaModel``...) works too.
 
 What :func:`transform` does, under the :class:`~smptk.parallel.ParallelState` of ``config`` (or the
@@ -91,10 +96,13 @@ from smptk.parallel.delayed_init import HF_BLOCK, refill_rotary
 from smptk.parallel.moe import MoE
 from smptk.parallel.tensor_parallel import _GatherSequence
 
-DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 SUPPORTED = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_LAYER_NORMS = (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -293,9 +301,12 @@ def _tp_plan(prefix: str, base: nn.Module, model: nn.Module, sp: bool) -> dict[s
             plan[f"{at}.mlp.up_proj"] = SmptkColwiseParallel()
             plan[f"{at}.mlp.down_proj"] = row()
         if sp:
-            plan[f"{at}.input_layernorm"] = norm()
-            plan[f"{at}.post_attention_layernorm"] = norm()
-            covered = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+            # Gemma 2 / 3 norm the attention's and the MLP's outputs too: every norm of the layer sees the
+            # residual stream's block or a row-parallel layer's reduce-scattered output
+            norms = [n for n in _LAYER_NORMS if isinstance(getattr(layer, n, None), nn.Module)]
+            for name in norms:
+                plan[f"{at}.{name}"] = norm()
+            covered = ("self_attn", "mlp", *norms)
             extra = [n for n, _ in layer.named_parameters() if n.split(".")[0] not in covered]
             if extra:
                 raise NotImplementedError(
@@ -307,6 +318,39 @@ def _tp_plan(prefix: str, base: nn.Module, model: nn.Module, sp: bool) -> dict[s
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         plan["lm_head"] = SmptkColwiseParallel(sequence_parallel=sp, gather_output=True)
     return plan
+
+
+def _unscaled_embedding(base: nn.Module) -> float | None:
+    """Gemma's embedding (``...ScaledWordEmbedding``: an ``nn.Embedding`` whose forward multiplies the rows
+    by ``embed_scale``, sqrt(hidden_size), in the weight's dtype) made a plain ``nn.Embedding`` on the same
+    weight, so the vocab-parallel style converts it; returns the scale, which :func:`_scale_rows` applies
+    to the converted layer's output. None (nothing changed) for any other embedding."""
+    embed = base.embed_tokens
+    scale = getattr(embed, "scalar_embed_scale", None)
+    plain_args = (embed.max_norm, embed.scale_grad_by_freq, embed.sparse) == (None, False, False)
+    buffers = [n for n, _ in embed.named_buffers(recurse=False)]
+    if not type(embed).__name__.endswith("ScaledWordEmbedding") or scale is None or not plain_args:
+        return None
+    if buffers != ["embed_scale"] or list(embed._modules):
+        return None
+    buffer = embed.embed_scale
+    if not buffer.is_meta and not torch.equal(torch.tensor(float(scale)).to(buffer.dtype), buffer.cpu()):
+        return None  # the forward multiplies by the buffer: another value than the scale it was built with
+    with torch.device("meta"):
+        plain = nn.Embedding(embed.num_embeddings, embed.embedding_dim, embed.padding_idx)
+    plain.weight = embed.weight  # the same Parameter: a head tied to it stays tied
+    base.embed_tokens = plain
+    return float(scale)
+
+
+def _scale_rows(scale: float):
+    """Forward hook: the output times ``scale`` rounded to the output's dtype, as Gemma's embedding
+    multiplies by its fp32 ``embed_scale`` cast to the weight's dtype."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output * torch.tensor(scale, dtype=torch.float32).to(output.dtype).item()
+
+    return hook
 
 
 def _replace_hidden_states(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
@@ -440,7 +484,8 @@ def transform(
 
     Args:
         model: a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-            ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or their base models, on the state's device.
+            ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``MixtralForCausalLM``,
+            ``Qwen3MoeForCausalLM`` or their base models, on the state's device.
         config: a ParallelConfig, dict or JSON path: :func:`smptk.parallel.init` runs with it. None: the
             ``state`` given, or the current one.
         state: a ParallelState to use (give ``config`` or ``state``, not both).
@@ -527,7 +572,10 @@ def transform(
     if tp > 1:
         tp_mesh = state.submesh("tp")
         frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        scale = _unscaled_embedding(base)
         parallelize_module(model, tp_mesh, plan)
+        if scale is not None:
+            base.embed_tokens.register_forward_hook(_scale_rows(scale))
         # torch's SequenceParallel (the norms' style) makes new Parameters, trainable: a norm frozen before
         # stays frozen, as the MoE weights and smptk's styles keep theirs
         for n, p in model.named_parameters():
