@@ -37,7 +37,8 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
 - ``tp2_tied_gemma``, ``tp2_sp_tied_gemma2``, ``tp2_sp_gemma3``, ``meta_tp2_gemma2``,
   ``meta_fresh_tp2_tied_gemma3``: Gemma 1 / 2 / 3, whose embedding scales its rows by sqrt(hidden) (the
   scale applied around the vocab-parallel layer) and whose layers 2 / 3 norm the attention's and the MLP's
-  outputs too (every norm sequence-parallel): training, the meta-device load and training from scratch.
+  outputs too (every norm sequence-parallel): training, the meta-device load and training from scratch;
+  (4 ranks) ``tp2_dp2_sp_tied_gemma3``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing.
 - ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
   None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
 - ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
@@ -658,6 +659,14 @@ CASES_4 = {
     ),
     "tp2_dp2_sp_tied_qwen3": lambda p: _train(
         p, "qwen3", {"tensor_parallel_degree": 2}, batches=2, sp_=True, tie_word_embeddings=True
+    ),
+    "tp2_dp2_sp_tied_gemma3": lambda p: _train(
+        p,
+        "gemma3_text",
+        {"tensor_parallel_degree": 2, "activation_checkpointing": "full"},
+        batches=2,
+        sp_=True,
+        tie_word_embeddings=True,
     ),
     "ep2_dp4_mixtral": lambda p: _train(p, "mixtral", {"expert_parallel_degree": 2}),
     "hsdp2x2_ep2_mixtral": lambda p: _train(
