@@ -190,7 +190,7 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "mixtral"])
 def test_hf_state_dict_loads_into_the_stock_model(one_rank, monkeypatch, tmp_path, kind: str) -> None:
     """After a training step, the exported state dict loads strictly into a fresh Hugging Face model,
     which then computes what the transformed model computes; so does the model ``save_pretrained`` writes
