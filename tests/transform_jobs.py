@@ -636,8 +636,8 @@ CASES = {
     "tp2_sp_tied_gemma2": lambda p: _train(
         p, "gemma2", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True, tie_word_embeddings=True
     ),
-    "tp2_sp_gemma3": lambda p: _train(
-        p, "gemma3_text", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True
+    "tp2_sp_gemma3": lambda p: _train(  # a 3-token sliding window: its local layers' masks over the gather
+        p, "gemma3_text", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True, sliding_window=3
     ),
     "meta_tp2_gemma2": lambda p: _meta_load(p, "gemma2", {"tensor_parallel_degree": 2}),
     "meta_fresh_tp2_tied_gemma3": lambda p: _meta_fresh(
