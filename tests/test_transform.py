@@ -43,7 +43,8 @@ from smptk.kernels import runtime  # noqa: E402
 
 STACKED_EXPERTS = int(transformers.__version__.split(".")[0]) >= 5
 OLD_LAYOUT = f"transformers {transformers.__version__} keeps MoE experts as modules; transform needs >= 5"
-ALL = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"]
+ALL = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "exaone4"]
+ALL += ["mixtral", "qwen3_moe"]
 
 
 def _build(kind: str, **overrides) -> nn.Module:
@@ -385,7 +386,8 @@ def test_refused_moe_leaves_the_model_as_it_was(one_rank, overrides: dict, messa
 def test_unsupported_architecture_lists_the_supported(one_rank) -> None:
     with pytest.raises(
         NotImplementedError,
-        match="supported: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, mixtral, qwen3_moe",
+        match="supported: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, granite, olmo, exaone4, "
+        "mixtral, qwen3_moe",
     ):
         sp.transform(nn.Linear(2, 2), {"mixed_precision": "fp32"})
 

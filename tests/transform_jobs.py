@@ -39,6 +39,9 @@ in the Hugging Face layout) with the reference within 1e-5 relative:
   scale applied around the vocab-parallel layer) and whose layers 2 / 3 norm the attention's and the MLP's
   outputs too (every norm sequence-parallel): training, the meta-device load and training from scratch;
   (4 ranks) ``tp2_dp2_sp_tied_gemma3``: TP 2 x FSDP 2 with sequence parallelism and full checkpointing.
+- ``tp2_sp_tied_granite``, ``tp2_sp_olmo``, ``tp2_sp_exaone4``, ``meta_fresh_tp2_exaone4``: Granite (its four
+  multipliers), OLMo (weightless LayerNorms), EXAONE 4 (norms after the attention and the MLP, per-head
+  q / k norms) under tp 2 with sequence parallelism; EXAONE 4 trained from scratch.
 - ``bad_hf_state``: a wrong Hugging Face state dict on rank 0 (missing tensors, an odd stacked width,
   None) raises on every rank in the names given, loading nothing; an untransformed model loads as it is.
 - ``frozen_norms``: norms frozen before ``transform`` (tp 2, sequence parallelism) stay frozen.
@@ -110,6 +113,8 @@ def build(kind: str, **overrides):
     elif kind in ("gemma", "gemma2", "gemma3_text"):  # head_dim 8, not the configs' 256
         cfg = transformers.AutoConfig.for_model(kind, **{"head_dim": 8, **opts})
         model = transformers.AutoModelForCausalLM.from_config(cfg)
+    elif kind in ("granite", "olmo", "exaone4"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **opts))
     else:
         raise ValueError(kind)
     with torch.no_grad():  # HF initializes biases and routers to zero / tiny values: make them matter
@@ -643,6 +648,25 @@ CASES = {
     "meta_fresh_tp2_tied_gemma3": lambda p: _meta_fresh(
         p, "gemma3_text", {"tensor_parallel_degree": 2}, tie_word_embeddings=True, head_dim=8, pad_token_id=3
     ),
+    # Granite's multipliers (embedding, residual, attention, logits), OLMo's weightless LayerNorms, EXAONE 4's
+    # norms after the attention and the MLP and per-head q / k norms, all under sequence parallelism
+    "tp2_sp_tied_granite": lambda p: _train(
+        p,
+        "granite",
+        {"tensor_parallel_degree": 2},
+        same_batch=True,
+        sp_=True,
+        tie_word_embeddings=True,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=0.5,
+        attention_multiplier=0.3,
+    ),
+    "tp2_sp_olmo": lambda p: _train(p, "olmo", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True),
+    "tp2_sp_exaone4": lambda p: _train(
+        p, "exaone4", {"tensor_parallel_degree": 2}, same_batch=True, sp_=True
+    ),
+    "meta_fresh_tp2_exaone4": lambda p: _meta_fresh(p, "exaone4", {"tensor_parallel_degree": 2}),
     "bad_input": _bad_input,
     "frozen_norms": _frozen_norms,
     "bad_hf_state": _bad_hf_state,

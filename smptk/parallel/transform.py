@@ -1,11 +1,12 @@
 """``transform``: a stock Hugging Face causal LM made tensor-, expert- and sharded-data-parallel in place.
 
 Supported architectures (``model.config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
-``gemma``, ``gemma2``, ``gemma3_text`` (dense) and ``mixtral``, ``qwen3_moe`` (sparse MoE blocks with
-stacked experts, the layout of transformers 5). Gemma's embedding, which scales its rows by
-``sqrt(hidden_size)`` in its own forward, becomes a plain vocab-parallel embedding with that scale (rounded
-to the output's dtype, as Gemma rounds it to the weight's) applied to its output; Gemma 2 / 3's norms
-around the attention's and the MLP's outputs are sequence-parallel like the others.
+``gemma``, ``gemma2``, ``gemma3_text``, ``granite``, ``olmo``, ``exaone4`` (dense) and ``mixtral``,
+``qwen3_moe`` (sparse MoE blocks with stacked experts, the layout of transformers 5). Gemma's embedding, which
+scales its rows by ``sqrt(hidden_size)`` in its own forward, becomes a plain vocab-parallel embedding with
+that scale (rounded to the output's dtype, as Gemma rounds it to the weight's) applied to its output; the
+norms around the attention's and the MLP's outputs (Gemma 2 / 3, EXAONE 4) are sequence-parallel like the
+others.
 
 The model is recognized by structure, as these architectures share it: ``model.model.embed_tokens``,
 ``model.model.layers[i].self_attn.{q,k,v,o}_proj``, ``layers[i].mlp`` either dense (``{gate,up,down}_proj``)
@@ -96,7 +97,9 @@ from smptk.parallel.delayed_init import HF_BLOCK, refill_rotary
 from smptk.parallel.moe import MoE
 from smptk.parallel.tensor_parallel import _GatherSequence
 
-DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+DENSE_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "exaone4"
+)  # fmt: skip
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 SUPPORTED = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -484,8 +487,9 @@ def transform(
 
     Args:
         model: a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-            ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``MixtralForCausalLM``,
-            ``Qwen3MoeForCausalLM`` or their base models, on the state's device.
+            ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``GraniteForCausalLM``,
+            ``OlmoForCausalLM``, ``Exaone4ForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or
+            their base models, on the state's device.
         config: a ParallelConfig, dict or JSON path: :func:`smptk.parallel.init` runs with it. None: the
             ``state`` given, or the current one.
         state: a ParallelState to use (give ``config`` or ``state``, not both).
