@@ -70,6 +70,8 @@ def test_one_rank_transform_keeps_the_model(one_rank, monkeypatch, kind: str, mo
     """Logits, loss and every gradient equal the model's, under full and selective checkpointing. The
     call asks for the key-value cache: checkpointed layers would see their keys twice (selective
     checkpointing's op-by-op replay fails on it), so transform turns it off while training."""
+    if not jobs.installed(kind):
+        pytest.skip(f"transformers {transformers.__version__} has no model type {kind!r}")
     if kind in jobs.MOE_KINDS and not STACKED_EXPERTS:
         pytest.skip(OLD_LAYOUT)
     monkeypatch.setenv("SMPTK_KERNELS", "torch")
@@ -409,6 +411,9 @@ def job(world: int) -> JobResult:
 def test_multi_rank(world: int, case: str) -> None:
     if case in jobs.MOE_CASES + jobs.MOE_CASES_4 and not STACKED_EXPERTS:
         pytest.skip(OLD_LAYOUT)
+    arch = jobs.NEWER_ARCHITECTURES.get(case)
+    if arch is not None and not jobs.installed(arch):
+        pytest.skip(f"transformers {transformers.__version__} has no model type {arch!r}")
     result = job(world)
     result.raise_for_failure()
     problems = [f"rank {r}: {v[case]}" for r, v in enumerate(result.values) if v[case] is not None]
