@@ -433,6 +433,15 @@ def case_fallback(c: Case, world: int, rank: int, *, which: str) -> None:
         comm.reduce_scatter_tensor(out, xs)
         c.path("reduce_scatter", gloo)
         c.equal("reduce_scatter", out, expected)
+        # shapes the heap path takes, of the same sizes: gloo's own call aborted the process on the first
+        # (a failed CHECK) and segfaulted on the second
+        out = torch.full((5,), float("nan"), dtype=torch.float64)
+        comm.reduce_scatter_tensor(out, xs.view(world, 5))
+        c.equal("reduce_scatter of a [world, 5] input", out, expected)
+        out = torch.tensor(float("nan"), dtype=torch.float64)
+        comm.reduce_scatter_tensor(out, torch.arange(world, dtype=torch.float64) + rank)  # block r: r + q
+        want = torch.tensor(world * rank + world * (world - 1) / 2, dtype=torch.float64)
+        c.equal("reduce_scatter into a 0-d output", out, want)
         xa = torch.randn(world * 2, 3, generator=seeded_gen(c.cid, "a2a", rank), dtype=torch.float64)
         expected = torch.empty_like(xa)
         dist.all_to_all_single(expected, xa)
@@ -483,7 +492,7 @@ def case_fallback(c: Case, world: int, rank: int, *, which: str) -> None:
             comm.all_reduce(y, op="avg")
             c.equal(f"all_reduce avg {dt} of {base} + rank", y, mean)
             out = torch.empty(5, dtype=dt)
-            comm.reduce_scatter_tensor(out, x.repeat(world), op="avg")
+            comm.reduce_scatter_tensor(out, x.repeat(world, 1), op="avg")  # a [world, 5] input
             c.equal(f"reduce_scatter avg {dt} of {base} + rank", out, mean)
     # The next kernel-path call says "symmetric" again.
     y = torch.ones(3)

@@ -1170,9 +1170,10 @@ def reduce_scatter_tensor(
 ) -> torch.Tensor:
     """Reduce ``input`` (``world * output.numel()`` elements) over ranks; rank r keeps block r in ``output``.
 
-    Same semantics as ``dist.reduce_scatter_tensor``. Returns ``output``. ``output`` may be this rank's
-    block of ``input`` (the in-place reduce-scatter), which runs without a copy; an ``output`` that
-    overlaps ``input`` in any other way has ``input`` copied first.
+    Same semantics as ``dist.reduce_scatter_tensor``: ``input`` may be ``[world * d0, ...]`` or
+    ``[world, *output.shape]``; only the element count and dtype must match. Returns ``output``. ``output``
+    may be this rank's block of ``input`` (the in-place reduce-scatter), which runs without a copy; an
+    ``output`` that overlaps ``input`` in any other way has ``input`` copied first.
 
     Example (under ``torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
@@ -1213,13 +1214,16 @@ def reduce_scatter_tensor(
 
 
 def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g: dist.ProcessGroup) -> None:
+    """The fallback's reduce-scatter, on flat views: gloo takes only an ``[world * d0, ...]`` input with a
+    ``[d0, ...]`` output (a ``[world, *output.shape]`` input aborted the process on a failed CHECK, a 0-d
+    output segfaulted it), the heap path any shapes of those sizes."""
     acc, src = _reduced("output", output, g), _reduced("input", input, g)
     if _sum_then_divide(op, input.dtype, g):
         acc = _summed(acc)
-        dist.reduce_scatter_tensor(acc, _summed(src), op=dist.ReduceOp.SUM, group=g)
+        dist.reduce_scatter_tensor(acc.view(-1), _summed(src).view(-1), op=dist.ReduceOp.SUM, group=g)
         _average(acc, dist.get_world_size(g))
     else:
-        dist.reduce_scatter_tensor(acc, src, op=_TORCH_OPS[op], group=g)
+        dist.reduce_scatter_tensor(acc.view(-1), src.view(-1), op=_TORCH_OPS[op], group=g)
     _put_back(acc, output)
     _fallback(g)
 
