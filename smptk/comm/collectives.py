@@ -132,8 +132,9 @@ class CommMismatchError(CommError):
     """Ranks made different calls (collective, dtype, size, op, algorithm or max_sms, or calls out of
     step with each other); ``ranks`` names the group ranks whose call differed from this rank's.
 
-    Raised by the symmetric path on every rank of the call, and by :func:`all_to_all_single` when the
-    ranks' split sizes disagree. The heap is then marked broken (:func:`reset`).
+    Raised by the symmetric path on every rank of the call, which marks the heap broken (:func:`reset`),
+    and by :func:`all_to_all_single` when the ranks' split sizes disagree: that is found before any data
+    moves, and the group stays usable without a reset.
 
     Example (under ``TRITON_INTERPRET=1 torchrun --nproc-per-node 2``, every rank; gloo on CPU)::
 
