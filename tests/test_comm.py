@@ -659,6 +659,33 @@ def test_world1_sparse_tensors_are_refused_by_name(world1) -> None:
         comm.all_gather_into_tensor(torch.empty(3, 3), sparse)
 
 
+def test_world1_tensor_subclasses_are_refused_by_name(world1) -> None:
+    """A DTensor has no storage of its own: the heap path failed reading its data pointer ("Attempted to
+    access the data pointer on an invalid python storage") and the fallback in DTensor's dispatch (no sharding
+    strategy for c10d.allreduce_), naming no argument. A Parameter, a plain subclass, still runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    for dtype in (torch.float32, torch.float64):  # the heap path's dtype, the fallback's
+        d = distribute_tensor(torch.ones(4, dtype=dtype), mesh, [Shard(0)])
+        with pytest.raises(
+            TypeError, match=r"^tensor: expected a tensor with storage of its own, got a DTensor"
+        ):
+            comm.all_reduce(d)
+        with pytest.raises(
+            TypeError, match=r"^input: expected a tensor with storage of its own, got a DTensor"
+        ):
+            comm.all_gather_into_tensor(torch.empty(4, dtype=dtype), d)
+        with pytest.raises(TypeError, match=r"^output: expected a tensor with storage of its own"):
+            comm.reduce_scatter_tensor(d, torch.ones(4, dtype=dtype))
+        with pytest.raises(TypeError, match=r"^output: expected a tensor with storage of its own"):
+            comm.all_to_all_single(d, torch.ones(4, dtype=dtype))
+    p = nn.Parameter(torch.ones(4))
+    assert comm.all_reduce(p) is p and torch.equal(p.detach(), torch.ones(4))
+    assert torch.equal(comm.all_gather_into_tensor(torch.empty(4), p), torch.ones(4))
+
+
 @pytest.mark.parametrize(("cid", "call", "exc", "message"), bad_inputs(1), ids=[c[0] for c in bad_inputs(1)])
 def test_world1_bad_input(world1, cid, call, exc, message) -> None:
     with pytest.raises(exc, match=re.escape(message)):

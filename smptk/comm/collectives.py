@@ -45,6 +45,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import smptk.settings as env_settings
 from smptk.comm.heap import HeapBuildError, HeapUnavailable, SymmetricHeap
@@ -489,6 +490,11 @@ def _all_arrive(group: dist.ProcessGroup, timeout_s: float) -> None:
 def _check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if is_traceable_wrapper_subclass(t):  # a DTensor's data pointer raised "invalid python storage"
+        raise TypeError(
+            f"{name}: expected a tensor with storage of its own, got a {type(t).__name__} (a wrapper "
+            "subclass: pass its local tensor, e.g. DTensor.to_local())"
+        )
     if t.layout != torch.strided:
         raise TypeError(
             f"{name}: expected a dense tensor, got layout {t.layout} (sparse tensors: use "
