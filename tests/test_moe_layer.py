@@ -304,6 +304,19 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
         MoE(H, F_, E, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"renormalize": 1}, {"renormalize": "no"}, {"expert_bias": "false"}, {"expert_bias": torch.zeros(E)}],
+)
+def test_non_bool_flags_are_refused_at_construction(kwargs: dict) -> None:
+    """renormalize and expert_bias take bools: a truthy string switched the expert bias on, a tensor bias
+    failed with torch's "Boolean value of Tensor ... is ambiguous", and renormalize=1 was refused only at
+    the first forward (by moe_route)."""
+    (name,) = kwargs
+    with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+        MoE(H, F_, E, **kwargs)
+
+
 def test_numpy_and_huge_capacity_factors() -> None:
     """numpy scalars are taken as the numbers they are (np.float32(1.25) was refused as "not a finite number
     > 0"), and a capacity factor past every expert's share (1e30, 10**400) drops nothing."""

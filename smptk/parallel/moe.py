@@ -356,6 +356,10 @@ class MoE(nn.Module):
             raise ValueError(f"top_k: expected at most num_experts={num_experts}, got {top_k}")
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+        # here, not at the first forward (moe_route refuses a non-bool renormalize there); a truthy
+        # expert_bias such as "false" would switch the bias on
+        renormalize = _check_bool("renormalize", renormalize)
+        expert_bias = _check_bool("expert_bias", expert_bias)
         shared_ok = isinstance(num_shared_experts, int) and not isinstance(num_shared_experts, bool)
         if not shared_ok or num_shared_experts < 0:
             raise ValueError(f"num_shared_experts: expected an integer >= 0, got {num_shared_experts!r}")
