@@ -8,10 +8,13 @@ feeds its own tokens to both and compares:
 - the output (the same kernels run the same rows, so only row order inside an expert differs);
 - the gradients of x and of the router (replicated: each rank's own tokens only);
 - the gradients of its local experts against the single-device gradients of those experts summed over
-  all ranks' tokens (an all_reduce of the single-device gradients, with gloo).
+  all ranks' tokens (an all_reduce of the single-device gradients, with gloo);
+- the aux loss and ``tokens_per_expert`` (each rank's own tokens, as on one device).
 
 Cases: even routing; a rank with no tokens at all; every token of every rank routed to rank 0's first
-expert, so the other ranks receive nothing; capacity drops; shared experts; sigmoid scores.
+expert, so the other ranks receive nothing; capacity drops; shared experts; sigmoid scores; ``[B, S, H]``
+inputs of another batch and length per rank (rank 1's empty) with frozen experts, so the rows' gradients
+return through the all-to-alls without expert weight gradients.
 
 Example::
 
@@ -39,6 +42,12 @@ CASES = {
     "all_to_rank0": {"top_k": 1, "skew": True},
     "capacity": {"top_k": 2, "capacity_factor": 0.5},
     "shared_sigmoid": {"top_k": 3, "score_func": "sigmoid", "num_shared_experts": 1, "aux_loss_coef": 0.01},
+    "frozen_experts_3d": {
+        "top_k": 2,
+        "z_loss_coef": 0.01,
+        "frozen_experts": True,
+        "batch": {0: (2, 4), 1: (3, 0)},
+    },
 }
 
 
@@ -65,6 +74,8 @@ def run_case(world: int, rank: int, name: str, options: dict) -> list[str]:
     options = dict(options)
     tokens = options.pop("tokens", {}).get(rank, 5 + 3 * rank)
     skew = options.pop("skew", False)
+    frozen = options.pop("frozen_experts", False)
+    shape = (*options.pop("batch")[rank], H) if "batch" in options else (tokens, H)
     group = dist.group.WORLD
     ep, full = _pair(world, rank, group, **options)
     if skew:
@@ -72,11 +83,14 @@ def run_case(world: int, rank: int, name: str, options: dict) -> list[str]:
             for layer in (ep, full):
                 layer.router_weight.zero_()
                 layer.router_weight[0] = 1.0  # positive inputs: expert 0 (rank 0's) wins every token
+    for layer in (ep, full) if frozen else ():
+        for wname in ("w_gate", "w_up", "w_down"):
+            getattr(layer, wname).requires_grad_(False)
     gen = torch.Generator().manual_seed(100 + rank)
-    x = torch.rand(tokens, H, generator=gen) + (0.1 if skew else -0.5)
+    x = torch.rand(shape, generator=gen) + (0.1 if skew else -0.5)
     x_ep = x.clone().requires_grad_()
     x_full = x.clone().requires_grad_()
-    dy = torch.randn(tokens, H, generator=gen)
+    dy = torch.randn(shape, generator=gen)
     y_ep = ep(x_ep)
     y_full = full(x_full)
     ((y_ep * dy).sum() + ep.aux_loss).backward()
@@ -85,11 +99,18 @@ def run_case(world: int, rank: int, name: str, options: dict) -> list[str]:
     _compare(problems, "y", y_ep.detach(), y_full.detach())
     _compare(problems, "dx", x_ep.grad, x_full.grad)
     _compare(problems, "drouter", ep.router_weight.grad, full.router_weight.grad)
+    _compare(problems, "aux_loss", ep.aux_loss, full.aux_loss)
+    if not torch.equal(ep.tokens_per_expert, full.tokens_per_expert):
+        problems.append(
+            f"tokens_per_expert {ep.tokens_per_expert.tolist()} vs {full.tokens_per_expert.tolist()}"
+        )
     lo = rank * (E // world)
-    for wname in ("w_gate", "w_up", "w_down"):
+    for wname in ("w_gate", "w_up", "w_down") if not frozen else ():
         total = getattr(full, wname).grad.clone()
         dist.all_reduce(total)  # every rank's tokens reach this rank's experts
         _compare(problems, f"d{wname}", getattr(ep, wname).grad.to_local(), total[lo : lo + E // world])
+    if frozen and any(getattr(ep, wname).grad is not None for wname in ("w_gate", "w_up", "w_down")):
+        problems.append("frozen experts got a gradient")
     if skew and rank != 0:
         for wname in ("w_gate", "w_up", "w_down"):
             grad = getattr(ep, wname).grad.to_local()
