@@ -690,6 +690,10 @@ def case_moe_sequence_parallel(ctx: _Ctx, problems: list[str]) -> None:
     blocks = distribute_tensor(torch.randn(2, 2 * T, 8), ctx.mesh, [Shard(1)])
     _raises(problems, "MoE sequence_parallel DTensor input", TypeError, ("a DTensor", "x.to_local()"),
             lambda: MoE(8, 12, 4, sequence_parallel=True, tp_mesh=ctx.mesh)(blocks))  # fmt: skip
+    # without sequence_parallel too (torch's SequenceParallel style hands the next module a DTensor): it
+    # failed in the router's matmul with torch's "got mixed torch.Tensor and DTensor", naming no argument
+    _raises(problems, "MoE DTensor input", TypeError, ("x: a DTensor", "this rank's tokens", "x.to_local()"),
+            lambda: MoE(8, 12, 4)(blocks))  # fmt: skip
 
 
 class _DropoutBlock(nn.Module):

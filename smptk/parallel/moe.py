@@ -473,10 +473,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``; sets :attr:`aux_loss`, :attr:`last_routing`, :attr:`last_plan`.
-        With ``sequence_parallel``, ``x`` and the output hold this tp rank's sequence block."""
+        With ``sequence_parallel``, ``x`` and the output hold this tp rank's sequence block. ``x`` is a plain
+        tensor: a DTensor (the output of torch's ``SequenceParallel`` style, which keeps DTensors by default)
+        is refused, naming ``x.to_local()``."""
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [..., {self.hidden_size}], got {shape}")
+        if isinstance(x, DTensor):
+            block = "this rank's sequence block" if self.sequence_parallel else "this rank's tokens"
+            raise TypeError(f"x: a DTensor; pass {block} as a plain tensor (x.to_local())")
         if self.sequence_parallel:
             return self._sequence_parallel_forward(x)
         return self._forward(x)
@@ -487,11 +492,6 @@ class MoE(nn.Module):
         blocks: the gradient reaching the layer is then the whole sequence's, equal on every tp rank, and
         so are its router's and experts' gradients and the aux loss (they are the unsharded layer's:
         nothing needs summing over tp afterwards)."""
-        if isinstance(x, DTensor):
-            raise TypeError(
-                "x: a DTensor; with sequence_parallel pass this rank's sequence block as a plain tensor "
-                "(x.to_local())"
-            )
         dim = _seq_dim(self.sequence_dim, x.dim(), "x", tuple(x.shape))
         mesh = self.tp_mesh
         size, rank, n = mesh.size(), mesh.get_local_rank(), x.shape[dim]
