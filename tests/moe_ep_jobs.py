@@ -14,7 +14,8 @@ feeds its own tokens to both and compares:
 Cases: even routing; a rank with no tokens at all; every token of every rank routed to rank 0's first
 expert, so the other ranks receive nothing; capacity drops; shared experts; sigmoid scores; ``[B, S, H]``
 inputs of another batch and length per rank (rank 1's empty) with frozen experts, so the rows' gradients
-return through the all-to-alls without expert weight gradients.
+return through the all-to-alls without expert weight gradients; and (2 ranks) the bias update's group and
+shape propagation on the meta device.
 
 Example::
 
@@ -127,7 +128,7 @@ ROUTING_CASES = ("even", "rank1_no_tokens", "all_to_rank0")
 
 def cases(world: int) -> list[str]:
     """The cases a W-rank job runs, in order."""
-    return [*CASES, "expert_bias_group"] if world == 2 else list(ROUTING_CASES)
+    return [*CASES, "expert_bias_group", "meta_shapes"] if world == 2 else list(ROUTING_CASES)
 
 
 def expert_bias_group(rank: int) -> list[str]:
@@ -152,6 +153,25 @@ def expert_bias_group(rank: int) -> list[str]:
     return problems
 
 
+def meta_shapes(rank: int) -> list[str]:
+    """A meta-built expert-parallel layer propagates shapes, as the unsharded one does: forward and backward
+    on meta ran the pre-hook's count exchange and failed reading it ("Cannot copy out of meta tensor")."""
+    problems = []
+    for capacity_factor in (None, 1.0):
+        try:
+            with torch.device("meta"):
+                moe = MoE(H, F_, E, 2, ep_group=dist.group.WORLD, capacity_factor=capacity_factor)
+            x = torch.empty(2, 3 + rank, H, device="meta", requires_grad=True)
+            y = moe(x)
+            y.sum().backward()
+            shapes = (y.shape, x.grad.shape, moe.w_gate.grad.to_local().shape)
+            if shapes != (x.shape, x.shape, (E // dist.get_world_size(), F_, H)):
+                problems.append(f"capacity_factor {capacity_factor}: shapes {shapes}")
+        except Exception as e:  # reported as the case's problem
+            problems.append(f"capacity_factor {capacity_factor}: {type(e).__name__}: {e}")
+    return problems
+
+
 def run(rank: int, world: int) -> dict[str, str | None]:
     """Every case of ``cases(world)`` on every rank, in order; {case: None or the problems}."""
     outcomes: dict[str, str | None] = {}
@@ -159,6 +179,8 @@ def run(rank: int, world: int) -> dict[str, str | None]:
         problems = (
             expert_bias_group(rank)
             if name == "expert_bias_group"
+            else meta_shapes(rank)
+            if name == "meta_shapes"
             else run_case(world, rank, name, CASES[name])
         )
         outcomes[name] = "\n".join(problems) or None

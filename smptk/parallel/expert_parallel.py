@@ -124,7 +124,9 @@ class _TokenExchange:
     ``(rows received [rows', H] by local expert, counts [E_l])``; the hook turns the local output
     ``[rows', H]`` back into ``[rows, H]`` in the caller's order. What the hook needs from its pre-hook
     goes on a stack, so a module called again before its hook ran (never in one forward, but cheap to
-    allow) still pairs them.
+    allow) still pairs them. On the meta device (shape propagation, delayed initialization) nothing is
+    exchanged: the rows received are data-dependent, so this rank's own rows stand in for them (the
+    layer's output shape does not depend on them) and no collective runs.
     """
 
     def __init__(self, mesh: DeviceMesh) -> None:
@@ -140,6 +142,9 @@ class _TokenExchange:
                 f"counts: expected [{module.num_experts}] rows per expert, got {tuple(counts_E.shape)}"
             )
         E_l = E // R
+        if x_grouped.is_meta:
+            self._pending.append(None)
+            return x_grouped, counts_E.new_empty(E_l)
         send_counts = counts_E.to(torch.int32)
         every = send_counts.new_empty(R * E)  # flat: gloo's all-gather takes no [R, E] output
         comm.all_gather_into_tensor(every, send_counts, group=g)
@@ -160,7 +165,10 @@ class _TokenExchange:
         return x_recv.index_select(0, index), recv_counts.sum(0).to(torch.int64)
 
     def combine(self, module: nn.Module, args: tuple, y_local: torch.Tensor) -> torch.Tensor:
-        inverse, send, recv, peak, g = self._pending.pop()
+        pending = self._pending.pop()
+        if pending is None:  # meta: nothing was exchanged
+            return y_local
+        inverse, send, recv, peak, g = pending
         return cf.all_to_all(y_local.index_select(0, inverse), g, send, recv, agreed_max_split=peak)
 
 

@@ -295,6 +295,7 @@ class MoE(nn.Module):
 
     On the ``meta`` device (delayed initialization) forward and backward propagate shapes; with a
     capacity the grouped buffer takes its bound ``min(T * k, E * C)`` rows (see :func:`moe_dispatch`).
+    Expert-parallel too: no rows are exchanged (no collective runs), each rank's experts take its own rows.
 
     Under tensor parallelism the layer is whole on every tp rank (its weights are not on the tp mesh) and
     must see the same tokens on each, as :func:`smptk.parallel.transform` arranges. After
