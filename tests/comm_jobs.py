@@ -45,6 +45,7 @@ Example (what ``test_comm.py`` does)::
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -786,6 +787,52 @@ def case_missing_at_build(c: Case, world: int, rank: int) -> None:
         dist.destroy_process_group(group)
 
 
+class _LateWatchdog:
+    """A ``threading.Timer`` that fires as it is cancelled: the interpreter's watchdog of a launch whose
+    budget ran out after the kernel's last wait, so that it sets the abort word as the call returns."""
+
+    def __init__(self, interval: float, function: Callable, args: tuple = ()) -> None:
+        self.function, self.args, self.daemon = function, args, True
+
+    def start(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self.function(*self.args)
+
+
+def case_late_watchdog(c: Case, world: int, rank: int) -> None:
+    """A call whose watchdog fires as it returns (a launch that took longer than timeout_s, its waits all
+    done) is a success, and so is the next call, in which rank 0 waits for its peers.
+
+    The abort word the watchdog sets stayed set: the next call's first wait on rank 0 gave up at once with
+    a CommTimeoutError naming live peers ("did not arrive within 2 s" after 0.01 s), and the peers timed out
+    waiting for rank 0 (seen with timeout_s 1.5 on a launch of 2 s on a loaded rank).
+    """
+    comm.configure(timeout_s=MISSING_TIMEOUT_S)
+    comm.all_reduce(torch.ones(4))  # the heap exists
+    timer = threading.Timer
+    threading.Timer = _LateWatchdog  # what smptk.comm.collectives starts for each interpreted launch
+    try:
+        y = torch.ones(5)
+        comm.all_reduce(y)
+    finally:
+        threading.Timer = timer
+    c.equal("the call its watchdog fired for as it ended", y, torch.full((5,), float(world)))
+    dist.barrier()
+    if rank != 0:
+        time.sleep(0.3)  # rank 0 waits for its peers in the next call's barriers
+    y = torch.full((5,), float(rank))
+    try:
+        comm.all_reduce(y)
+        c.equal("the next call", y, torch.full((5,), float(sum(range(world)))))
+    except comm.CommError as e:
+        c.fail(f"the next call raised {type(e).__name__}: {e}")
+    dist.barrier()
+    comm.reset()
+    comm.configure(timeout_s=JOB_TIMEOUT_S)
+
+
 def case_heap_build(c: Case, world: int, rank: int) -> None:
     """Building a group's heap fails on rank W-1 alone, every rank raises the same error naming it, and the
     next call (the cause gone) builds the heap and runs:
@@ -1058,6 +1105,7 @@ def catalog(world: int) -> list[Spec]:
         add(f"mismatch-{kind}", case_mismatch, kind=kind)
     add("missing_at_build", case_missing_at_build)
     add("heap_build", case_heap_build)
+    add("late_watchdog", case_late_watchdog)
     add("missing_rank-max_sms1", case_missing_rank, max_sms=1)
     add("missing_rank-max_sms3", case_missing_rank, max_sms=3)
     return specs

@@ -162,6 +162,14 @@ def test_rank_that_never_calls(world: int, cid: str) -> None:
     assert_case(world, cid)
 
 
+@pytest.mark.parametrize(("world", "cid"), cases("late_watchdog"))
+def test_a_watchdog_that_fires_as_a_call_ends_does_not_fail_the_next(world: int, cid: str) -> None:
+    """Under the interpreter a host timer sets the abort word when a launch outlasts timeout_s; one that
+    fires after the launch's last wait leaves that call a success, and the next call must not find the
+    word still set (it gave up at once, naming live peers)."""
+    assert_case(world, cid)
+
+
 @pytest.mark.parametrize(("world", "cid"), cases("heap_build"))
 def test_a_heap_build_that_fails_on_one_rank_raises_on_every_rank(world: int, cid: str) -> None:
     """Another heap_bytes on one rank: CommMismatchError naming it; one rank's /dev/shm full: CommError

@@ -762,6 +762,9 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
     interpreted = runtime.interpreter_enabled()
     timer = None
     if interpreted and not simulated:  # no clock in an interpreted kernel: a host thread sets the abort word
+        # ... for this launch only: one that outlasted timeout_s after its last wait returned a success
+        # with the word set, and the next launch's first wait would give up at once
+        heap.abort_flag.zero_()
         timer = threading.Timer(timeout_s, heap.abort_flag.fill_, args=(1,))
         timer.daemon = True
         timer.start()
