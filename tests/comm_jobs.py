@@ -637,6 +637,8 @@ def bad_inputs(world: int) -> list[tuple[str, Callable[[], object], type, str]]:
         f"input_split_sizes: {splits}",
         lambda: a2a(z(W), z(W), [1] * W, [2] + [1] * (W - 2) + [-1]),
     )
+    not_a_list = "output_split_sizes: expected a sequence of ints, a 1-D integer tensor or None, got 2"
+    bad("all_to_all-split-sizes-an-int", T, not_a_list, lambda: a2a(z(2 * W), z(2 * W), 2, None))
     wrong_sum = f"input_split_sizes: sizes sum to {2 * W} but dim 0 of the tensor is {W}"
     bad("all_to_all-input-splits-sum", V, wrong_sum, lambda: a2a(z(W, 2), z(W, 2), [1] * W, [2] * W))
     wrong_sum = f"output_split_sizes: sizes sum to 0 but dim 0 of the tensor is {W}"

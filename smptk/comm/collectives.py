@@ -41,7 +41,7 @@ import math
 import numbers
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -1238,22 +1238,33 @@ def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, g:
     _fallback(g)
 
 
-def _splits(
-    name: str, sizes: Sequence[int] | torch.Tensor | None, tensor: torch.Tensor, world: int
-) -> list[int]:
-    """Row counts per rank from a list, a 1-D integer tensor (read on the host) or None (equal split)."""
-    rows = tensor.shape[0] if tensor.dim() else 1
+def _split_list(name: str, sizes: object) -> list[int] | None:
+    """Split sizes ``sizes`` (argument ``name``) as a list of ints, or None: from any iterable but a string,
+    or a 1-D integer tensor (one host read); an entry may be an integral float (2.0), and one that is not an
+    integer is refused by its index. Their count and sum are the caller's to check."""
     if sizes is None:
-        if rows % world:
-            raise ValueError(f"{name}: None needs dim 0 ({rows}) divisible by the world size {world}")
-        return [rows // world] * world
+        return None
     if isinstance(sizes, torch.Tensor):
         if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex():
             raise ValueError(
                 f"{name}: a tensor of split sizes must be 1-D integer, got {sizes.dtype} {tuple(sizes.shape)}"
             )
         sizes = sizes.tolist()
-    sizes = [_as_int(name, s) for s in sizes]
+    elif isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise TypeError(f"{name}: expected a sequence of ints, a 1-D integer tensor or None, got {sizes!r}")
+    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(sizes)]
+
+
+def _splits(
+    name: str, sizes: Sequence[int] | torch.Tensor | None, tensor: torch.Tensor, world: int
+) -> list[int]:
+    """Row counts per rank from a list, a 1-D integer tensor (read on the host) or None (equal split)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    sizes = _split_list(name, sizes)
+    if sizes is None:
+        if rows % world:
+            raise ValueError(f"{name}: None needs dim 0 ({rows}) divisible by the world size {world}")
+        return [rows // world] * world
     if len(sizes) != world or any(s < 0 for s in sizes):
         raise ValueError(f"{name}: expected {world} non-negative sizes, got {sizes}")
     if sum(sizes) != rows:

@@ -506,26 +506,10 @@ def all_to_all(
     """
     x = _check_x(x, min_dim=1)
     g = resolve_group(group)
-    out_splits = _host_splits("output_split_sizes", output_split_sizes)
-    in_splits = _host_splits("input_split_sizes", input_split_sizes)
+    # as lists (one host read of a tensor), so the backward reuses them without a sync
+    out_splits = collectives._split_list("output_split_sizes", output_split_sizes)
+    in_splits = collectives._split_list("input_split_sizes", input_split_sizes)
     return _AllToAll.apply(x, g, out_splits, in_splits, max_sms, agreed_max_split)
-
-
-def _host_splits(name: str, sizes: Splits) -> list[int] | None:
-    """Splits as a Python list (one host read of a tensor), so the backward reuses them without a sync;
-    their values are checked by the collective."""
-    if sizes is None:
-        return None
-    if isinstance(sizes, torch.Tensor):
-        if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex():
-            raise ValueError(
-                f"{name}: a tensor of split sizes must be 1-D integer, got {sizes.dtype} {tuple(sizes.shape)}"
-            )
-        return sizes.tolist()
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        raise TypeError(f"{name}: expected a sequence of ints, a 1-D integer tensor or None, got {sizes!r}")
-    # 2.0 is taken as 2, as the collectives take it; 1.5 is refused, naming the entry
-    return [collectives._as_int(f"{name}[{i}]", v) for i, v in enumerate(sizes)]
 
 
 def copy_to_group(x: torch.Tensor, group: GroupLike, *, max_sms: int | None = None) -> torch.Tensor:
