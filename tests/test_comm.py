@@ -737,6 +737,19 @@ def test_world1_all_to_all_of_0d_tensors(world1, dtype) -> None:
         assert torch.equal(out, expected), f"splits {splits}: {out.item()} on {comm.last_path()}"
 
 
+def test_world1_collectives_take_meta_tensors(world1) -> None:
+    """Meta tensors move no data, and torch.distributed takes them in all four collectives; so do these
+    (all_to_all_single read its split exchange back from the meta device: "Cannot copy out of meta
+    tensor; no data!", a NotImplementedError naming no argument)."""
+    meta = torch.empty(4, 2, device="meta")
+    assert comm.all_reduce(meta) is meta
+    out = torch.empty(4, 2, device="meta")
+    assert comm.all_gather_into_tensor(out, meta) is out
+    assert comm.reduce_scatter_tensor(out, meta) is out
+    assert comm.all_to_all_single(out, meta) is out
+    assert comm.all_to_all_single(out, meta, [4], [4]) is out
+
+
 def test_expect_raises_can_fail() -> None:
     """The jobs' bad-input checker reports a missing error, a wrong type and a message without the text."""
     assert expect_raises(lambda: None, ValueError, "x") == "no error, expected ValueError containing 'x'"

@@ -1320,7 +1320,8 @@ def all_to_all_single(
     Same semantics as ``dist.all_to_all_single`` (splits along dim 0, as lists or 1-D integer tensors;
     None means equal splits). Every rank's ``input_split_sizes[d]`` must equal rank d's
     ``output_split_sizes[r]``: the call exchanges the sizes (one small all-gather and one host read) and
-    on any disagreement every rank raises :class:`CommMismatchError` naming the pairs.
+    on any disagreement every rank raises :class:`CommMismatchError` naming the pairs (meta tensors, which
+    move no data, skip the exchange).
 
     ``agreed_max_split``: the largest split, in rows, that any rank sends in this call, when every rank
     already knows it (e.g. from a count matrix all ranks hold) and passes the same value. The call then
@@ -1377,7 +1378,9 @@ def all_to_all_single(
     # [4, 3] input into a flat [12] output, as torch.distributed allows), so each side uses its own.
     in_len = [r * row_in for r in in_rows]
     out_len = [r * row_out for r in out_rows]
-    if agreed_max_split is None:  # on the fallback too: torch's would fail on one rank and hang another
+    if input.device.type == "meta":  # no data moves, and none can be read back to check the splits
+        peak = 0
+    elif agreed_max_split is None:  # on the fallback too: torch's would fail on one rank and hang another
         peak = _exchange_splits(g, in_len, out_len, input.device)
     else:
         peak = agreed_max_split * max(row_in, row_out)
