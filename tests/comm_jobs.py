@@ -802,6 +802,9 @@ class _LateWatchdog:
     def cancel(self) -> None:
         self.function(*self.args)
 
+    def join(self) -> None:
+        pass
+
 
 def case_late_watchdog(c: Case, world: int, rank: int) -> None:
     """A call whose watchdog fires as it returns (a launch that took longer than timeout_s, its waits all

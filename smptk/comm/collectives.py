@@ -791,6 +791,7 @@ def _launch(heap, kernel, programs: int, data: tuple, sizes: tuple, *, call: _Ca
     finally:
         if timer is not None:
             timer.cancel()
+            timer.join()  # a timer already firing has set the word before the next launch clears it
     _took_turn(heap)
     if not interpreted and hasattr(compiled, "asm"):
         _last_compiled[getattr(kernel, "__name__", type(kernel).__name__)] = compiled
