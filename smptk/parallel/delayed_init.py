@@ -307,7 +307,7 @@ def _reset_hf_block(block: nn.Module) -> int:
 
 
 def _allocate(block: nn.Module) -> None:
-    """Give a meta-built ``block`` CPU memory, its floating tensors NaN (what nothing writes shows up)."""
+    """Give a meta-built module CPU memory, its floating tensors NaN (what nothing writes shows up)."""
     if any(t.is_meta for t in (*block.parameters(), *block.buffers())):
         block.to_empty(device="cpu")
         for t in (*block.parameters(), *block.buffers()):
@@ -317,14 +317,13 @@ def _allocate(block: nn.Module) -> None:
 
 def _take_block_values(moe: nn.Module, block: nn.Module, written: set[int]) -> None:
     """Write into ``moe`` (each rank its piece) the values ``block``, the Hugging Face block it replaces,
-    holds, in smptk's layout (:func:`~smptk.parallel.smptk_layout`); what the block has no counterpart for
-    (the load counts) takes ``moe.reset_parameters()``'s values, its draws discarded, as eager has none
-    there. ``block`` goes back to meta."""
+    holds, in smptk's layout (:func:`~smptk.parallel.smptk_layout`); its buffers, which the block has no
+    counterpart for (the load counts, the expert bias), start at zero, as ``MoE.reset_parameters`` sets
+    them (without its draws, which eager does not make there). ``block`` goes back to meta."""
     from smptk.parallel.transform import smptk_layout  # transform imports this module
 
-    cuda = {_local(t).device for t in (*moe.parameters(), *moe.buffers()) if _local(t).is_cuda}
-    with torch.random.fork_rng(devices=[d.index for d in cuda]):
-        _reset_torch_module(moe, moe.reset_parameters)
+    for buffer in moe.buffers():
+        _local(buffer).zero_()
     values = smptk_layout({f"b.{n}": t for n, t in (*block.named_parameters(), *block.named_buffers())})
     for name, value in values.items():
         target = moe.get_parameter(name[2:])
@@ -395,16 +394,14 @@ def _torch_equivalent(module: nn.Module) -> nn.Module | None:
     ``nn.Linear`` / ``nn.Embedding`` they stand for, full-size on the CPU, uninitialized (built on meta:
     no draws), for a Hugging Face ``_init_weights`` that recognizes torch's classes; else None."""
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not getattr(module, "swiglu", False):
-        with torch.device("meta"):
-            torch_module = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        shape, bias = (module.in_features, module.out_features), module.bias is not None
+        torch_module = nn.Linear(*shape, bias=bias, device="meta", dtype=module.weight.dtype)
     elif isinstance(module, VocabParallelEmbedding):
-        with torch.device("meta"):
-            torch_module = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx)
+        shape = (module.num_embeddings, module.embedding_dim, module.padding_idx)
+        torch_module = nn.Embedding(*shape, device="meta", dtype=module.weight.dtype)
     else:
         return None
-    torch_module = torch_module.to_empty(device="cpu").to(module.weight.dtype)
-    for p in torch_module.parameters():
-        p.detach().fill_(float("nan"))  # a part _init_weights leaves shows up as materialize's own fill does
+    _allocate(torch_module)  # NaN: a part _init_weights leaves shows up as materialize's own fill does
     return torch_module
 
 
